@@ -1,0 +1,29 @@
+# Two commands: `make train` and `make test`. Each creates .venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+# CPU wheel on CI-like machines; set TORCH_SPEC to keep/choose a CUDA build on GPU machines.
+TORCH_SPEC ?= torch==2.13.0
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup train test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_SPEC)"
+	$(BIN)/pip install -e ".[dev]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/llama-train $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf outputs multirun .pytest_cache

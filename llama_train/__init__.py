@@ -1,0 +1,3 @@
+"""llama_train: distributed LLaMA pretraining on DeepSpeed."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,27 @@
+"""``llama-bench <name>``: benchmarks that print their figures and the command that made them."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES = {
+    "allreduce": "llama_train.bench.allreduce",
+    "data": "llama_train.bench.data",
+    "train": "llama_train.bench.train",
+    "memory": "llama_train.bench.memory",
+}
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: llama-bench {{{','.join(BENCHES)}}} [options]  (--help on each)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    module = importlib.import_module(BENCHES[argv[0]])
+    module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Communication setup: backend choice, NCCL environment, process-group start, a reference ring.
+
+NCCL reads its ``NCCL_*`` variables once, when a communicator is created, so everything here
+must run before the process group starts; :func:`init_distributed` does it in that order.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+from llama_train.comm.ring import ring_all_reduce
+
+__all__ = [
+    "CommConfig",
+    "apply_env",
+    "configure_backend",
+    "init_distributed",
+    "normalize_nccl_algo",
+    "ring_all_reduce",
+]
+
+# Algorithm names NCCL_ALGO understands (NCCL >= 2.12; NVLS/NVLSTree 2.17+, PAT 2.23+).
+# NCCL matches them case-insensitively; we store the canonical spelling.
+NCCL_ALGOS = ("Ring", "Tree", "CollnetDirect", "CollnetChain", "NVLS", "NVLSTree", "PAT")
+_BACKENDS = ("auto", "nccl", "gloo")
+
+
+@dataclass
+class CommConfig:
+    """The ``comm`` config group. Only str/int/bool/Optional so Hydra can type-check it."""
+
+    nccl_algo: Optional[str] = None
+    """NCCL_ALGO, e.g. "Ring" or "Tree"; a comma list ("Ring,Tree") or "^NVLS" (exclude) also
+    work. None leaves NCCL's own per-size choice (and any NCCL_ALGO already in the env)."""
+    nccl_socket_ifname: Optional[str] = None
+    """NCCL_SOCKET_IFNAME: interface(s) for bootstrap/socket traffic, e.g. "eth0" or "^lo,docker"."""
+    nccl_ib_disable: Optional[bool] = None
+    """NCCL_IB_DISABLE: True forces TCP sockets (clusters without InfiniBand/RoCE)."""
+    timeout_s: int = 600
+    """Collective timeout: a dead or stuck rank makes the others fail after this long instead
+    of hanging the job forever."""
+    backend: str = "auto"
+    """auto (nccl on CUDA, gloo on CPU) | nccl | gloo."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in _BACKENDS:
+            raise ValueError(
+                f"comm.backend={self.backend!r} is not one of {'|'.join(_BACKENDS)}; "
+                "use comm.backend=auto to pick nccl on CUDA and gloo on CPU")
+        if int(self.timeout_s) <= 0:
+            raise ValueError(f"comm.timeout_s={self.timeout_s} must be a positive number of seconds")
+        if self.nccl_algo is not None:
+            normalize_nccl_algo(self.nccl_algo)
+
+
+def normalize_nccl_algo(algo: str) -> str:
+    """Validate an NCCL_ALGO value and return it with canonical casing ("ring" -> "Ring")."""
+    text = str(algo).strip()
+    negate = text.startswith("^")
+    names = [n.strip() for n in text.lstrip("^").split(",")]
+    canon = {a.lower(): a for a in NCCL_ALGOS}
+    bad = [n for n in names if n.lower() not in canon]
+    if not text.lstrip("^") or bad:
+        raise ValueError(
+            f"comm.nccl_algo={algo!r}: unknown NCCL algorithm {bad or [text]}; use one of "
+            f"{', '.join(NCCL_ALGOS)}, a comma list of them, a '^' prefix to exclude, "
+            "or comm.nccl_algo=null to let NCCL choose")
+    return ("^" if negate else "") + ",".join(canon[n.lower()] for n in names)
+
+
+def _device_type(device) -> str:
+    dtype = str(device).split(":")[0]
+    if dtype not in ("cuda", "cpu"):
+        raise ValueError(f"device {device!r}: llama_train communicates on 'cuda' (nccl) or 'cpu' (gloo) only")
+    return dtype
+
+
+def _process_group_started() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
+
+
+def configure_backend(device: str, nccl_algo: Optional[str] = None) -> str:
+    """Return "nccl" for CUDA, "gloo" for CPU; on CUDA also set NCCL_ALGO.
+
+    Must run before the process group starts: NCCL only reads NCCL_ALGO when it builds a
+    communicator, so a later change would be silently ignored -- we raise instead.
+    """
+    dtype = _device_type(device)
+    algo = normalize_nccl_algo(nccl_algo) if nccl_algo is not None else None
+    if dtype == "cpu":
+        return "gloo"
+    if algo is not None:
+        current = os.environ.get("NCCL_ALGO")
+        if _process_group_started() and current != algo:
+            raise RuntimeError(
+                f"comm.nccl_algo={algo!r} requested but the process group already started with "
+                f"NCCL_ALGO={current!r}; NCCL reads it only at communicator creation. Call "
+                "configure_backend/apply_env before init_distributed.")
+        os.environ["NCCL_ALGO"] = algo
+    return "nccl"
+
+
+def apply_env(cfg: CommConfig, device_type: str) -> str:
+    """Set the NCCL_* variables from ``cfg`` (only when NCCL will be used) and return the backend."""
+    dtype = _device_type(device_type)
+    if cfg.backend not in _BACKENDS:
+        raise ValueError(f"comm.backend={cfg.backend!r} is not one of {'|'.join(_BACKENDS)}")
+    if cfg.backend == "nccl" and dtype != "cuda":
+        raise ValueError("comm.backend=nccl needs CUDA but the device is cpu; use comm.backend=auto or gloo")
+    if cfg.backend == "gloo":
+        return "gloo"
+    backend = configure_backend(dtype, cfg.nccl_algo)
+    if backend == "nccl":
+        if cfg.nccl_socket_ifname is not None:
+            os.environ["NCCL_SOCKET_IFNAME"] = str(cfg.nccl_socket_ifname)
+        if cfg.nccl_ib_disable is not None:
+            os.environ["NCCL_IB_DISABLE"] = "1" if cfg.nccl_ib_disable else "0"
+    return backend
+
+
+def init_distributed(cfg: Optional[CommConfig] = None, device_type: str = "cpu") -> str:
+    """Apply ``cfg`` (a CommConfig or its DictConfig), then start DeepSpeed's process group.
+
+    The group gets ``cfg.timeout_s`` as its collective timeout. Expects launcher variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), as set
+    by the ``deepspeed`` launcher. Returns the backend name. A no-op if the group already exists.
+    """
+    cfg = cfg if cfg is not None else CommConfig()
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_distributed: environment variables {missing} are not set; start the program "
+            "through a launcher, e.g. `deepspeed --num_gpus 2 --module <module> ...`")
+    backend = apply_env(cfg, device_type)
+    if device_type.startswith("cuda"):
+        import torch
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                               timeout=timedelta(seconds=int(cfg.timeout_s)))
+    return backend

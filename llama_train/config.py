@@ -1,0 +1,301 @@
+"""Structured Hydra configs: one dataclass per config group, registered in the ConfigStore.
+
+Each YAML file under ``configs/<group>/`` is merged onto its dataclass, so an unknown key or a
+wrong type fails while Hydra composes the config, before any process group starts. Semantic
+checks that need several groups at once (batch arithmetic, ZeRO/offload/precision combinations)
+live in :func:`validate`, which the entry point calls before touching the network.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from llama_train.comm import CommConfig
+from llama_train.data.config import DataConfig
+from llama_train.model import ModelArgs
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key and the fix."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay (LLaMA defaults)."""
+
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at trainer.max_steps
+    warmup_steps: int = 20
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+    decay_norms_and_biases: bool = False
+    decay_embeddings: bool = False
+
+
+@dataclass
+class TrainerConfig:
+    output_dir: str = "outputs/llama-train"
+    max_steps: int = 200
+    seq_len: int = 256
+    micro_batch: int = 8  # sequences per rank per forward/backward
+    global_batch: Optional[int] = None  # sequences per optimizer step (default: micro_batch * world)
+    global_batch_tokens: Optional[int] = None  # alternative to global_batch, in tokens
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 8
+    save_every: int = 100
+    keep_last: int = 3
+    resume: str = "auto"  # auto | never | <checkpoint path>
+    steps_this_run: Optional[int] = None  # stop (with a checkpoint) after this many steps
+    init_from: Optional[str] = None  # start from weights: a HF Llama dir or a llama-import .pt
+    seed: int = 1337
+    device: str = "auto"  # auto | cpu | cuda
+    compile: bool = False  # torch.compile each transformer block
+    sample_prompt: str = "The"
+    sample_tokens: int = 64
+    sample_temperature: float = 0.8
+    sample_top_k: Optional[int] = 40
+    # Fault handling: a non-finite loss/gradient skips the step; after `max_bad_steps` in a row
+    # or a loss above `spike_factor` x the running mean, roll back to the last good checkpoint
+    # and skip the offending data window.
+    max_bad_steps: int = 3
+    spike_factor: float = 0.0  # 0 disables spike detection
+    spike_warmup_steps: int = 20
+    max_rollbacks: int = 3
+    verify_checksums: bool = True  # sha256 of checkpoint files on save and before resume
+    fail_at_step: Optional[int] = None  # testing: os._exit at this step (fault injection)
+    nan_at_steps: List[int] = field(default_factory=list)  # testing: inject a NaN loss
+
+
+@dataclass
+class DeepSpeedConfig:
+    """What the engine module turns into a DeepSpeed JSON config."""
+
+    zero_stage: int = 0
+    precision: str = "auto"  # auto | bf16 | fp16 | fp32 (auto: bf16 on CUDA, fp32 on CPU)
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = 50_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    steps_per_print: int = 1_000_000  # our logger prints; keep DeepSpeed's own quiet
+
+
+@dataclass
+class WandbConfig:
+    mode: Optional[str] = None  # online | offline | disabled; None: online iff an API key is set
+    project: str = "llama_train"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+    dir: Optional[str] = None  # default: <output_dir>
+
+
+@dataclass
+class TrackingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    metrics_file: str = "metrics.jsonl"
+    console: bool = True
+
+
+@dataclass
+class ScalingConfig:
+    """Drives the compute-/inference-optimal experiments (see configs/experiment)."""
+
+    mode: str = "none"  # none | compute_optimal | inference_optimal | fixed
+    flops: Optional[float] = None  # training budget C = 6 N D
+    inference_tokens: Optional[float] = None
+    fit: str = "chinchilla"  # chinchilla | epoch | <yaml with E, A, B, alpha, beta>
+    params: Optional[float] = None  # mode=fixed: train this many params on flops / (6 N) tokens
+    vocab_size: Optional[int] = None  # default: model.vocab_size
+
+
+@dataclass
+class Config:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    experiment: Optional[Any] = None
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    # The primary config extends this schema, so every group's YAML is merged onto its typed node.
+    cs.store(name="llama_train_schema", node=Config)
+
+
+# ----------------------------------------------------------------------------------------------
+# Semantic validation (runs before any process group starts)
+
+
+@dataclass
+class BatchPlan:
+    """The global batch resolved against the data-parallel world size."""
+
+    world_size: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int  # sequences per optimizer step
+    seq_len: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+def resolve_batch(trainer: TrainerConfig, world_size: int) -> BatchPlan:
+    t = trainer
+    if t.global_batch is not None and t.global_batch_tokens is not None:
+        raise ConfigError(
+            "trainer.global_batch and trainer.global_batch_tokens are both set: set only one "
+            "(sequences or tokens per optimizer step)."
+        )
+    if t.global_batch_tokens is not None:
+        if t.global_batch_tokens <= 0 or t.global_batch_tokens % t.seq_len:
+            raise ConfigError(
+                f"trainer.global_batch_tokens={t.global_batch_tokens} is not a positive multiple of "
+                f"trainer.seq_len={t.seq_len}: use a multiple of {t.seq_len}."
+            )
+        global_batch = t.global_batch_tokens // t.seq_len
+        key = "trainer.global_batch_tokens"
+    elif t.global_batch is not None:
+        global_batch, key = t.global_batch, "trainer.global_batch"
+    else:
+        global_batch, key = t.micro_batch * world_size, "trainer.micro_batch"
+    if global_batch <= 0:
+        raise ConfigError(f"{key} must be positive, got {global_batch}.")
+    per_step = t.micro_batch * world_size
+    if global_batch % per_step:
+        raise ConfigError(
+            f"{key} gives a global batch of {global_batch} sequences, which is not divisible by "
+            f"trainer.micro_batch ({t.micro_batch}) x data-parallel world size ({world_size}) = "
+            f"{per_step}: choose a global batch that is a multiple of {per_step}, or change "
+            f"trainer.micro_batch or the number of ranks."
+        )
+    return BatchPlan(world_size, t.micro_batch, global_batch // per_step, global_batch, t.seq_len)
+
+
+def _positive(section: str, obj: Any, names: List[str], allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        bad = value < 0 if allow_zero else value <= 0
+        if value is None or bad:
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ConfigError(f"{section}.{name}={value} must be {bound}.")
+
+
+def validate(cfg: Config, world_size: int, device: str) -> BatchPlan:
+    """Checks that need more than one field. Raises ConfigError naming the key and the fix."""
+    t, o, ds = cfg.trainer, cfg.optim, cfg.deepspeed
+    _positive("trainer", t, ["max_steps", "seq_len", "micro_batch", "log_every", "eval_every",
+                             "save_every", "keep_last", "eval_batches"])
+    _positive("trainer", t, ["sample_tokens", "max_bad_steps", "spike_factor",
+                             "spike_warmup_steps", "max_rollbacks"], allow_zero=True)
+    _positive("optim", o, ["lr", "eps"])
+    _positive("optim", o, ["warmup_steps", "weight_decay", "grad_clip"], allow_zero=True)
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1].")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(o, name) < 1.0:
+            raise ConfigError(f"optim.{name}={getattr(o, name)} must be in [0, 1).")
+    if t.resume not in ("auto", "never") and not os.path.exists(t.resume):
+        raise ConfigError(
+            f"trainer.resume={t.resume!r} is neither 'auto', 'never' nor an existing checkpoint path."
+        )
+    if t.steps_this_run is not None and t.steps_this_run <= 0:
+        raise ConfigError(f"trainer.steps_this_run={t.steps_this_run} must be > 0 or null.")
+    if t.init_from is not None and not os.path.exists(t.init_from):
+        raise ConfigError(
+            f"trainer.init_from={t.init_from!r} does not exist: give a Hugging Face Llama "
+            f"directory or a .pt written by llama-import."
+        )
+    if t.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"trainer.device={t.device!r} must be one of auto, cpu, cuda.")
+    if t.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}: "
+            f"lower trainer.seq_len or raise model.max_seq_len."
+        )
+    # DeepSpeed combinations
+    if ds.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"deepspeed.zero_stage={ds.zero_stage} must be 0, 1, 2 or 3.")
+    if ds.precision not in ("auto", "bf16", "fp16", "fp32"):
+        raise ConfigError(f"deepspeed.precision={ds.precision!r} must be auto, bf16, fp16 or fp32.")
+    if ds.offload_params and ds.zero_stage != 3:
+        raise ConfigError(
+            f"deepspeed.offload_params=true needs deepspeed.zero_stage=3 (got {ds.zero_stage}): "
+            f"parameter offload only exists in ZeRO-3."
+        )
+    if ds.offload_optimizer and ds.zero_stage == 0:
+        raise ConfigError(
+            "deepspeed.offload_optimizer=true needs deepspeed.zero_stage >= 1: the optimizer "
+            "state is only partitioned (and offloadable) under ZeRO."
+        )
+    if device == "cpu" and ds.precision == "fp16":
+        raise ConfigError(
+            "deepspeed.precision=fp16 is not supported on CPU: use fp32 (or bf16)."
+        )
+    _positive("deepspeed", ds, ["reduce_bucket_size", "allgather_bucket_size"])
+    if cfg.tracking.wandb.mode not in (None, "online", "offline", "disabled"):
+        raise ConfigError(
+            f"tracking.wandb.mode={cfg.tracking.wandb.mode!r} must be online, offline or disabled."
+        )
+    if cfg.scaling.mode not in ("none", "compute_optimal", "inference_optimal", "fixed"):
+        raise ConfigError(
+            f"scaling.mode={cfg.scaling.mode!r} must be none, compute_optimal, inference_optimal "
+            f"or fixed."
+        )
+    return resolve_batch(t, world_size)
+
+
+def to_container(cfg: DictConfig | Config) -> dict:
+    """A plain, fully resolved dict (for saving and W&B) with secrets scrubbed."""
+    if isinstance(cfg, DictConfig):
+        data = OmegaConf.to_container(cfg, resolve=True)
+    else:
+        data = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    return scrub_secrets(data)
+
+
+_SECRET_WORDS = ("api_key", "apikey", "token", "secret", "password")
+
+
+def scrub_secrets(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {
+            k: ("***" if any(w in str(k).lower() for w in _SECRET_WORDS) and isinstance(v, str)
+                else scrub_secrets(v))
+            for k, v in obj.items()
+        }
+    if isinstance(obj, list):
+        return [scrub_secrets(v) for v in obj]
+    return obj
+
+
+def is_finite_number(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+__all__ = [
+    "BatchPlan", "Config", "ConfigError", "DeepSpeedConfig", "OptimConfig", "ScalingConfig",
+    "TrackingConfig", "TrainerConfig", "WandbConfig", "MISSING", "register_configs",
+    "resolve_batch", "to_container", "validate",
+]

@@ -1,0 +1,53 @@
+"""Data pipeline: SentencePiece tokenizer, source text -> packed token shards, exact resumable loading.
+
+    prepare_data(cfg, vocab_size) -> PreparedData     # once per machine, every rank may call it
+    TrainLoader(prepared.dir, seq_len, global_batch, micro_batch, dp_rank, dp_world, seed)
+    val_batches(prepared.dir, seq_len, batch_size, max_batches, dp_rank, dp_world)
+
+Exports are imported lazily so that light users (the `llama-data` CLI, tokenization worker
+processes) do not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "DataConfig": ".config",
+    "DataError": ".errors",
+    "Tokenizer": ".tokenizer",
+    "train_tokenizer": ".tokenizer",
+    "prepare_data": ".prepare",
+    "PreparedData": ".prepare",
+    "PackedTokens": ".packed",
+    "read_meta": ".meta",
+    "check_compatible": ".meta",
+    "TrainLoader": ".loader",
+    "val_batches": ".loader",
+    "builtin_corpus": ".corpus",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs
+    from .config import DataConfig
+    from .corpus import builtin_corpus
+    from .errors import DataError
+    from .loader import TrainLoader, val_batches
+    from .meta import check_compatible, read_meta
+    from .packed import PackedTokens
+    from .prepare import PreparedData, prepare_data
+    from .tokenizer import Tokenizer, train_tokenizer
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,333 @@
+"""Exact, resumable, data-parallel loading of packed tokens.
+
+The sample stream is defined globally, independent of how many ranks read it:
+
+    window w          = tokens[w*L : w*L + L + 1]         (L = seq_len; x = w[:-1], y = w[1:])
+    windows per epoch   n = (ntokens - 1) // L
+    global sample k   = window perm_{k // n}(k % n)       (perm_e: a permutation of [0, n) fixed
+                                                            by (seed, epoch e); epochs chain forever)
+    global batch b    = samples [b*G, (b+1)*G)            (G = global_batch)
+    rank r of D       = the contiguous slice [b*G + r*G/D, b*G + (r+1)*G/D),
+                        yielded as G/(D*M) micro-batches of M
+
+So ranks never overlap or leave gaps, and the stream does not depend on D or M: a run can resume
+on another world size or micro-batch and see exactly the same data. The permutation is a keyed
+Feistel network evaluated per index (O(1) memory, no state to replay), so resuming at sample k
+costs nothing and is identical on any machine and numpy version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Iterator, Optional, Union
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from .errors import DataError
+from .packed import PackedTokens
+
+log = logging.getLogger(__name__)
+
+_M64 = (1 << 64) - 1
+_ROUNDS = 6
+
+
+def _mix64_int(x: int) -> int:
+    """SplitMix64 finalizer on a Python int (for keys)."""
+    x &= _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finalizer, vectorized on uint64 (wraps mod 2**64 by design)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class IndexPermutation:
+    """A pseudo-random permutation of [0, n) keyed by (seed, epoch), evaluated per index.
+
+    A balanced Feistel network on the smallest even number of bits covering n is a bijection of
+    [0, 2**bits); "cycle walking" (re-applying it while the result is >= n) restricts it to a
+    bijection of [0, n). The domain is < 4n, so the expected number of walks is < 4.
+    """
+
+    def __init__(self, n: int, seed: int, epoch: int):
+        if n < 1:
+            raise ValueError("IndexPermutation needs n >= 1")
+        self.n = n
+        bits = max(2, (n - 1).bit_length())
+        bits += bits % 2
+        self.half = np.uint64(bits // 2)
+        self.mask = np.uint64((1 << (bits // 2)) - 1)
+        base = _mix64_int(_mix64_int(seed) ^ (epoch * 0x9E3779B97F4A7C15))
+        self.keys = [np.uint64(_mix64_int(base + r + 1)) for r in range(_ROUNDS)]
+
+    def _round_trip(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask
+        for k in self.keys:
+            left, right = right, left ^ (_mix64(right ^ k) & self.mask)
+        return (left << self.half) | right
+
+    def __call__(self, idx: np.ndarray) -> np.ndarray:
+        y = self._round_trip(np.asarray(idx, dtype=np.uint64))
+        out = y >= self.n
+        while out.any():
+            y[out] = self._round_trip(y[out])
+            out = y >= self.n
+        return y.astype(np.int64)
+
+
+class _Windows:
+    """Maps global sample ids to windows and reads them; lives in the DataLoader workers."""
+
+    def __init__(self, tokens: PackedTokens, seq_len: int, seed: int):
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.n = (len(tokens) - 1) // seq_len
+        self._perm: dict[int, IndexPermutation] = {}
+
+    def window_ids(self, samples: np.ndarray) -> np.ndarray:
+        samples = np.asarray(samples, dtype=np.int64)
+        epochs, pos = np.divmod(samples, self.n)
+        out = np.empty_like(samples)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            perm = self._perm.get(int(e))
+            if perm is None:
+                if len(self._perm) > 4:
+                    self._perm.clear()
+                perm = self._perm[int(e)] = IndexPermutation(self.n, self.seed, int(e))
+            out[sel] = perm(pos[sel])
+        return out
+
+    def read(self, window_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        L = self.seq_len
+        rows = np.stack([self.tokens[int(w) * L : int(w) * L + L + 1] for w in window_ids])
+        w = torch.from_numpy(rows.astype(np.int64))  # (B, L+1)
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # x, y: (B, L)
+
+    def __getitem__(self, samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.read(self.window_ids(samples))
+
+
+class _RankSampler:
+    """Infinite stream of this rank's micro-batches, as arrays of global sample ids."""
+
+    def __init__(self, global_batch: int, micro_batch: int, dp_rank: int, dp_world: int):
+        self.G, self.M, self.r, self.D = global_batch, micro_batch, dp_rank, dp_world
+        self.start = 0  # global sample the next iteration starts at
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        per_rank = self.G // self.D
+        base = self.start
+        while True:
+            lo = base + self.r * per_rank
+            for m in range(per_rank // self.M):
+                yield np.arange(lo + m * self.M, lo + (m + 1) * self.M, dtype=np.int64)
+            base += self.G
+
+
+def _check_positive(**kw: int) -> None:
+    for k, v in kw.items():
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise DataError(f"{k}={v!r} must be a positive integer")
+
+
+class TrainLoader:
+    """Infinite iterator of (x, y) LongTensors (micro_batch, seq_len) for one data-parallel rank.
+
+    `state_dict()["consumed_samples"]` counts the global samples of the complete global batches
+    yielded so far (= optimizer steps x global_batch); `load_state_dict` jumps to any global
+    sample position without reading the skipped data, on any world size / micro batch.
+    """
+
+    def __init__(
+        self,
+        prepared_dir: Union[str, os.PathLike],
+        seq_len: int,
+        global_batch: int,
+        micro_batch: int,
+        dp_rank: int = 0,
+        dp_world: int = 1,
+        seed: int = 1234,
+        num_workers: int = 1,
+        pin_memory: bool = False,
+        split: str = "train",
+        verify: bool = False,
+        prefetch_factor: int = 4,
+    ):
+        _check_positive(seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, dp_world=dp_world)
+        if not 0 <= dp_rank < dp_world:
+            raise DataError(f"dp_rank={dp_rank} must be in [0, dp_world={dp_world})")
+        if global_batch % (dp_world * micro_batch):
+            raise DataError(
+                f"global_batch={global_batch} is not divisible by micro_batch={micro_batch} x "
+                f"data-parallel world size {dp_world} = {micro_batch * dp_world}: change "
+                "global_batch or micro_batch so that global_batch = micro_batch x world x grad_accum"
+            )
+        self.tokens = PackedTokens(prepared_dir, split, verify=verify)
+        if len(self.tokens) < seq_len + 1:
+            raise DataError(
+                f"the {split!r} split of {prepared_dir} has {len(self.tokens)} tokens, fewer than "
+                f"seq_len+1={seq_len + 1} needed for one window: lower seq_len or use more data"
+            )
+        self.seq_len, self.seed = int(seq_len), int(seed)
+        self.global_batch, self.micro_batch = int(global_batch), int(micro_batch)
+        self.dp_rank, self.dp_world = int(dp_rank), int(dp_world)
+        self.fingerprint = self.tokens.meta["fingerprint"]
+        self.consumed_samples = 0
+        self._windows = _Windows(self.tokens, self.seq_len, self.seed)
+        self._sampler = _RankSampler(self.global_batch, self.micro_batch, self.dp_rank, self.dp_world)
+        pin = bool(pin_memory) and torch.cuda.is_available()
+        self._loader = DataLoader(
+            self._windows,
+            batch_size=None,  # the sampler yields whole micro-batches
+            sampler=self._sampler,
+            num_workers=num_workers,
+            pin_memory=pin,
+            persistent_workers=num_workers > 0,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        )
+        self._generation = 0
+
+    # --- facts -----------------------------------------------------------------------------
+    @property
+    def num_windows(self) -> int:
+        """Windows (samples) per epoch."""
+        return self._windows.n
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.global_batch // (self.dp_world * self.micro_batch)
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed_samples // self.num_windows
+
+    def global_sample_windows(self, samples: np.ndarray) -> np.ndarray:
+        """Window ids of global samples (for tests and debugging)."""
+        return self._windows.window_ids(np.asarray(samples))
+
+    # --- iteration -------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Start at `consumed_samples` (a partially yielded global batch is yielded again)."""
+        self._generation += 1
+        self._sampler.start = self.consumed_samples
+        return self._run(self._generation, self.consumed_samples, iter(self._loader))
+
+    def _run(self, gen: int, start: int, it) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        per_step = self.micro_batches_per_step
+        count = 0
+        while True:
+            if gen != self._generation:  # checked before next(): never steal the new iterator's batch
+                raise RuntimeError("TrainLoader was repositioned or re-iterated; use the new iterator")
+            batch = next(it)
+            count += 1
+            if count % per_step == 0:  # this micro-batch completes a global batch
+                self.consumed_samples = start + (count // per_step) * self.global_batch
+            yield batch
+
+    # --- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "consumed_samples": int(self.consumed_samples),
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "data_fingerprint": self.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Reposition at state["consumed_samples"] (also: skip ahead by passing a larger value).
+
+        seq_len and seed must match (they define the windows and their order); a different
+        global_batch is fine (the stream continues at the same sample, batches shift with it).
+        With strict=False a different seed/data is accepted (the run continues at the same index
+        of a different stream: not exact, but sometimes wanted).
+        """
+        if "consumed_samples" not in state:
+            raise DataError(f"loader state has no 'consumed_samples' (keys: {sorted(state)})")
+        consumed = int(state["consumed_samples"])
+        if consumed < 0:
+            raise DataError(f"loader state consumed_samples={consumed} must be >= 0")
+        if int(state.get("seq_len", self.seq_len)) != self.seq_len:
+            raise DataError(
+                f"cannot resume: the checkpoint's data loader used seq_len={state['seq_len']} but "
+                f"this run uses seq_len={self.seq_len}; windows would differ. Use the same seq_len "
+                "or start the data from scratch (do not load the loader state)"
+            )
+        if strict:
+            if int(state.get("seed", self.seed)) != self.seed:
+                raise DataError(
+                    f"cannot resume exactly: the checkpoint's data seed={state['seed']} but this run's "
+                    f"data.seed={self.seed}; set data.seed={state['seed']} (or load_state_dict(strict=False))"
+                )
+            fp = state.get("data_fingerprint")
+            if fp is not None and fp != self.fingerprint:
+                raise DataError(
+                    f"cannot resume exactly: the checkpoint was trained on prepared data "
+                    f"{fp[:10]} but this run reads {self.fingerprint[:10]} ({self.tokens.dir}); "
+                    "use the same data settings (or load_state_dict(strict=False))"
+                )
+        old_g = state.get("global_batch")
+        if old_g is not None and int(old_g) != self.global_batch:
+            log.info("resuming with global_batch=%d (checkpoint: %s); the sample stream continues "
+                     "at sample %d", self.global_batch, old_g, consumed)
+        self.consumed_samples = consumed
+        self._generation += 1  # invalidate running iterators
+
+    def skip_samples(self, n: int) -> None:
+        """Jump ahead by n global samples (rollback-and-skip past bad data)."""
+        self.load_state_dict({**self.state_dict(), "consumed_samples": self.consumed_samples + int(n)})
+
+
+class ValBatches:
+    """Deterministic validation batches of one rank (re-iterable, with a length).
+
+    Sequential windows w = 0, 1, ... of the val split, grouped into batches of `batch_size`;
+    global batch j goes to rank j % dp_world. Every rank gets the same number of batches,
+    min(max_batches, total // dp_world), so collective loss averaging stays in lockstep.
+    """
+
+    def __init__(self, prepared_dir, seq_len: int, batch_size: int, max_batches: Optional[int],
+                 dp_rank: int = 0, dp_world: int = 1, split: str = "val"):
+        _check_positive(seq_len=seq_len, batch_size=batch_size, dp_world=dp_world)
+        if not 0 <= dp_rank < dp_world:
+            raise DataError(f"dp_rank={dp_rank} must be in [0, dp_world={dp_world})")
+        self.tokens = PackedTokens(prepared_dir, split)
+        n_windows = (len(self.tokens) - 1) // seq_len if len(self.tokens) > 0 else 0
+        per_rank = (n_windows // batch_size) // dp_world
+        if per_rank == 0:
+            raise DataError(
+                f"the {split!r} split of {prepared_dir} has {len(self.tokens)} tokens = {n_windows} "
+                f"windows of seq_len={seq_len}, fewer than batch_size={batch_size} x dp_world="
+                f"{dp_world} needed for one validation batch per rank: raise data.val_fraction, "
+                "lower the eval batch size or seq_len"
+            )
+        if max_batches is not None:
+            per_rank = min(per_rank, int(max_batches))
+        self.n_batches = per_rank
+        self._windows = _Windows(self.tokens, seq_len, seed=0)
+        self.seq_len, self.batch_size, self.dp_rank, self.dp_world = seq_len, batch_size, dp_rank, dp_world
+
+    def __len__(self) -> int:
+        return self.n_batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(self.n_batches):
+            j = i * self.dp_world + self.dp_rank
+            yield self._windows.read(np.arange(j * self.batch_size, (j + 1) * self.batch_size))
+
+
+def val_batches(prepared_dir, seq_len: int, batch_size: int, max_batches: Optional[int] = None,
+                dp_rank: int = 0, dp_world: int = 1) -> ValBatches:
+    """Validation (x, y) batches for one rank; see ValBatches."""
+    return ValBatches(prepared_dir, seq_len, batch_size, max_batches, dp_rank, dp_world)

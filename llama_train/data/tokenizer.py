@@ -1,0 +1,212 @@
+"""SentencePiece BPE tokenizer, trained and used the way LLaMA does.
+
+Settings that matter for exact round trips: identity normalization and no whitespace
+collapsing (so `decode(encode(s)) == s` for any text), byte fallback (characters outside the
+vocabulary become UTF-8 byte pieces instead of <unk>), digits split one per token.
+Special ids: unk=0, bos=1, eos=2, pad=-1 (no pad piece, as in LLaMA: data is packed, so
+nothing is ever padded; use ignore_index in the loss if a caller pads).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from .errors import DataError
+
+log = logging.getLogger(__name__)
+
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, -1
+# SentencePiece silently skips training sentences longer than this many bytes.
+_MAX_SENTENCE_BYTES = 16384
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Tokenizer:
+    """A loaded SentencePiece model plus the facts the pipeline checks (ids, size, sha256)."""
+
+    def __init__(self, model_path: str | os.PathLike):
+        import sentencepiece as spm
+
+        self.path = str(model_path)
+        if not Path(self.path).is_file():
+            raise DataError(
+                f"tokenizer model {self.path!r} does not exist: set data.tokenizer to a "
+                "SentencePiece .model file, or leave it null to train one"
+            )
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=self.path)
+        except Exception as e:  # sentencepiece raises RuntimeError/OSError with C++ text
+            raise DataError(f"tokenizer model {self.path!r} is not a SentencePiece model: {e}") from e
+        self._sha256: str | None = None
+
+    # --- the ids ---------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    @property
+    def bos_id(self) -> int:
+        return self.sp.bos_id()
+
+    @property
+    def eos_id(self) -> int:
+        return self.sp.eos_id()
+
+    @property
+    def pad_id(self) -> int:
+        return self.sp.pad_id()
+
+    @property
+    def unk_id(self) -> int:
+        return self.sp.unk_id()
+
+    @property
+    def sha256(self) -> str:
+        """Content hash of the .model file: what shards and checkpoints record."""
+        if self._sha256 is None:
+            self._sha256 = file_sha256(self.path)
+        return self._sha256
+
+    # --- encode / decode -------------------------------------------------------------------
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self.sp.encode(text)
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_batch(self, texts: list[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
+        out = self.sp.encode(list(texts))
+        if bos or eos:
+            pre = [self.bos_id] if bos else []
+            post = [self.eos_id] if eos else []
+            out = [pre + ids + post for ids in out]
+        return out
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"
+
+
+def _normalized_model(proto: bytes) -> bytes:
+    """Drop the machine-specific trainer fields (output path, thread count) from the model.
+
+    Why: the model file's sha256 identifies the tokenizer in meta.json and checkpoints, so two
+    machines training on the same text must write identical bytes. Needs protobuf (a dependency
+    of wandb); without it the raw model is kept (still valid, hash then depends on num_threads).
+    """
+    try:
+        from sentencepiece import sentencepiece_model_pb2 as pb
+    except ImportError:  # pragma: no cover - protobuf missing
+        return proto
+    m = pb.ModelProto()
+    m.ParseFromString(proto)
+    for name in ("model_prefix", "num_threads", "input"):
+        m.trainer_spec.ClearField(name)
+    return m.SerializeToString(deterministic=True)
+
+
+def _training_sentences(texts: Iterable[str], max_sentences: int) -> Iterator[str]:
+    """Documents split into non-empty lines, the unit SentencePiece trains on."""
+    n = 0
+    for text in texts:
+        for line in text.split("\n"):
+            if not line.strip():
+                continue
+            yield line
+            n += 1
+            if max_sentences and n >= max_sentences:
+                return
+
+
+def train_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int,
+    model_prefix: str | os.PathLike,
+    *,
+    max_sentences: int = 1_000_000,
+    seed: int = 1234,
+    num_threads: int | None = None,
+) -> str:
+    """Train a LLaMA-style BPE model on `texts`; writes `<model_prefix>.model` and returns its path.
+
+    `max_sentences` caps the lines read (the first N non-empty lines) so training stays fast on
+    large sources; BPE merges saturate long before that on natural text. The same texts give a
+    byte-identical model file (same sha256) whatever the path, thread count or machine.
+    """
+    import io
+
+    import sentencepiece as spm
+
+    if vocab_size < 260:
+        raise DataError(
+            f"vocab_size={vocab_size} is too small: byte fallback needs 256 byte pieces + "
+            "<unk>, <s>, </s>; use vocab_size >= 512"
+        )
+    prefix = str(model_prefix)
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    counted = {"sentences": 0}
+
+    def sentences() -> Iterator[str]:
+        for s in _training_sentences(texts, max_sentences):
+            counted["sentences"] += 1
+            yield s
+
+    spm.set_random_generator_seed(seed)
+    writer = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sentences(),
+            model_writer=writer,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            byte_fallback=True,
+            split_digits=True,
+            split_by_unicode_script=True,
+            split_by_whitespace=True,
+            character_coverage=0.99995,
+            allow_whitespace_only_pieces=True,
+            remove_extra_whitespaces=False,
+            normalization_rule_name="identity",
+            add_dummy_prefix=True,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            pad_id=PAD_ID,
+            max_sentence_length=_MAX_SENTENCE_BYTES,
+            num_threads=num_threads or os.cpu_count() or 1,
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        msg = str(e)
+        if counted["sentences"] == 0:
+            raise DataError("cannot train a tokenizer: the source has no non-empty text") from e
+        if "smaller than required_chars" in msg:
+            raise DataError(
+                f"vocab_size={vocab_size} is too small for this source: its characters plus the "
+                f"256 byte pieces and specials need more. Raise vocab_size. SentencePiece said: {msg}"
+            ) from e
+        if "Vocabulary size" in msg or "vocab_size" in msg:
+            raise DataError(
+                f"cannot train a tokenizer with vocab_size={vocab_size} on this source "
+                f"({counted['sentences']} lines): it has too few distinct pieces. Use a larger "
+                f"source or a smaller vocab_size. SentencePiece said: {msg}"
+            ) from e
+        raise DataError(f"SentencePiece training failed: {msg}") from e
+    path = prefix + ".model"
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(_normalized_model(writer.getvalue()))
+    os.replace(tmp, path)
+    log.info("trained tokenizer %s (vocab %d) on %d lines", path, vocab_size, counted["sentences"])
+    return path

@@ -1,0 +1,400 @@
+"""Convert between llama_train checkpoints and Hugging Face ``transformers`` Llama.
+
+Lives beside the model, not inside it. Two things differ between the layouts:
+
+* names: ``layers.{i}.attention.wq`` <-> ``model.layers.{i}.self_attn.q_proj`` etc. (``_NAME_MAP``);
+* RoPE pairing: our model rotates interleaved pairs (x0, x1), (x2, x3) ... of each head (Meta's
+  layout, see ``llama_train.model``), HF rotates the halves (x_i, x_{i + hd/2}). Permuting the
+  output rows of ``wq`` and ``wk`` within each head, ``[0, 2, 4, ..., 1, 3, 5, ...]``, makes one
+  compute exactly what the other does (q.k is a sum over pairs, so the order of pairs is free).
+
+``wv``/``wo`` and the MLP need no permutation. Tied embeddings are stored once (HF omits
+``lm_head.weight``), and safetensors refuses shared tensors anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from llama_train.model import ModelArgs, ffn_hidden_dim
+
+log = logging.getLogger(__name__)
+
+PathLike = Union[str, Path]
+
+# our per-layer suffix -> HF per-layer suffix
+_LAYER_MAP = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_MAP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_MAX_SHARD_BYTES = 5 * 2**30
+
+
+def _name_map(args: ModelArgs) -> dict[str, str]:
+    """Every key of our state dict -> its HF key (``output.weight`` included even when tied)."""
+    m = dict(_TOP_MAP)
+    for i in range(args.n_layers):
+        for ours, theirs in _LAYER_MAP.items():
+            m[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+    return m
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+
+def to_hf_config(args: ModelArgs, *, bos_token_id: Optional[int] = 1, eos_token_id: Optional[int] = 2,
+                 pad_token_id: Optional[int] = None, torch_dtype: str = "float32") -> dict:
+    """A ``transformers.LlamaConfig`` dict (config.json) for these args.
+
+    rope_theta is written both flat (transformers 4) and as ``rope_parameters`` (transformers 5).
+    """
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "num_hidden_layers": args.n_layers,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_scaling": None,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": args.init_std,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+        "torch_dtype": torch_dtype,
+        "dtype": torch_dtype,
+    }
+
+
+def _ffn_settings(dim: int, intermediate: int) -> tuple[int, Optional[float]]:
+    """(multiple_of, ffn_dim_multiplier) for which ``ModelArgs.ffn_hidden_dim == intermediate``.
+
+    Prefers Meta's published recipes (plain rule with multiple_of 256 ..., or x1.3 with 4096/1024)
+    so LLaMA checkpoints come back with their params.json values; otherwise falls back to
+    ``multiple_of = intermediate`` (with a multiplier < 1 when intermediate is below the plain
+    rule's 8/3 * dim), which rounds to ``intermediate`` exactly by construction.
+    """
+    candidates = [(m, None) for m in (256, 128, 64, 32, 16, 8, 4, 2, 1)]
+    candidates += [(m, 1.3) for m in (4096, 1024, 2048, 512, 256)]
+    for mult_of, mult in candidates:
+        if ffn_hidden_dim(dim, mult_of, mult) == intermediate:
+            return mult_of, mult
+    base = int(2 * 4 * dim / 3)
+    # int(mult * base) lands on intermediate (not below, and never 0), which is already a multiple
+    mult = None if intermediate >= base else (intermediate + 0.5) / base
+    if ffn_hidden_dim(dim, intermediate, mult) != intermediate:  # pragma: no cover - guarded by construction
+        raise ValueError(f"cannot express intermediate_size={intermediate} with the LLaMA FFN rule")
+    return intermediate, mult
+
+
+def from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
+    """ModelArgs from a Llama config.json dict; rejects features this model does not implement."""
+    def need(key: str) -> Any:
+        if key not in cfg or cfg[key] is None:
+            raise ValueError(f"HF config lacks {key!r}: not a Llama config.json?")
+        return cfg[key]
+
+    model_type = cfg.get("model_type", "llama")
+    if model_type != "llama":
+        raise ValueError(f"HF config model_type={model_type!r}: only 'llama' checkpoints can be imported")
+    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if key in cfg and cfg[key] != ok:
+            raise ValueError(f"HF config {key}={cfg[key]!r} is not supported (this model needs {ok!r})")
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if scaling or rope_type != "default":
+        raise ValueError(f"HF config uses RoPE scaling ({scaling or rope}); only default RoPE is implemented")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+
+    dim, n_heads = need("hidden_size"), need("num_attention_heads")
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and n_heads * head_dim != dim:
+        raise ValueError(f"HF config head_dim={head_dim} != hidden_size/num_attention_heads="
+                         f"{dim}/{n_heads}: decoupled head sizes are not supported")
+    kv = cfg.get("num_key_value_heads") or n_heads
+    multiple_of, mult = _ffn_settings(dim, need("intermediate_size"))
+    return ModelArgs(
+        dim=dim, n_layers=need("num_hidden_layers"), n_heads=n_heads, n_kv_heads=None if kv == n_heads else kv,
+        vocab_size=need("vocab_size"), multiple_of=multiple_of, ffn_dim_multiplier=mult,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+        max_seq_len=cfg.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        init_std=float(cfg.get("initializer_range", 0.02)),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# State dicts
+# --------------------------------------------------------------------------------------------
+
+
+def _interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a q/k projection, per head: pair i = rows (2i, 2i+1) -> rows (i, i + hd/2)."""
+    out_dim, in_dim = w.shape
+    hd = out_dim // n_heads
+    return w.view(n_heads, hd // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def _half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of ``_interleaved_to_half``."""
+    out_dim, in_dim = w.shape
+    hd = out_dim // n_heads
+    return w.view(n_heads, 2, hd // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def _check_keys(have: set, want: set, what: str) -> None:
+    missing, unexpected = sorted(want - have), sorted(have - want)
+    if missing or unexpected:
+        def show(keys: list) -> str:
+            return ", ".join(keys[:5]) + (f" ... (+{len(keys) - 5})" if len(keys) > 5 else "")
+        parts = ([f"missing {len(missing)} key(s): {show(missing)}"] if missing else [])
+        parts += ([f"unexpected {len(unexpected)} key(s): {show(unexpected)}"] if unexpected else [])
+        hint = ""
+        if any(k.startswith(("module.", "_orig_mod.")) for k in unexpected):
+            hint = " (keys carry a wrapper prefix: save the unwrapped model's state_dict)"
+        raise ValueError(f"{what} does not match the model args: " + "; ".join(parts) + hint)
+
+
+def to_hf_state_dict(sd: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Our state dict -> HF ``LlamaForCausalLM`` state dict (q/k rows permuted for HF's RoPE)."""
+    names = _name_map(args)
+    want = set(names) - ({"output.weight"} if args.tie_embeddings else set())
+    have = {k for k in sd if k not in ("rope_cos", "rope_sin")}
+    if args.tie_embeddings:
+        have.discard("output.weight")  # the same tensor as tok_embeddings.weight
+    _check_keys(have, want, "state dict")
+    out = {}
+    for k in want:
+        t = sd[k]
+        if k.endswith("attention.wq.weight"):
+            t = _interleaved_to_half(t, args.n_heads)
+        elif k.endswith("attention.wk.weight"):
+            t = _interleaved_to_half(t, args.kv_heads)
+        out[names[k]] = t
+    return out
+
+
+def from_hf_state_dict(sd: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """HF Llama state dict -> ours; with tied embeddings ``output.weight`` is the embedding tensor."""
+    names = {theirs: ours for ours, theirs in _name_map(args).items()}
+    have = {k for k in sd if not k.endswith("rotary_emb.inv_freq")}
+    want = set(names)
+    if args.tie_embeddings:
+        want.discard("lm_head.weight")
+        have.discard("lm_head.weight")
+    _check_keys(have, want, "HF state dict")
+    out = {}
+    for k in want:
+        t = sd[k]
+        if k.endswith("self_attn.q_proj.weight"):
+            t = _half_to_interleaved(t, args.n_heads)
+        elif k.endswith("self_attn.k_proj.weight"):
+            t = _half_to_interleaved(t, args.kv_heads)
+        out[names[k]] = t
+    if args.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------
+
+
+def _sentencepiece_info(path: Path) -> dict:
+    """Special-token ids/pieces of a sentencepiece model, with a warning where HF will differ."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    info = {}
+    for name, idx in (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("unk", sp.unk_id()), ("pad", sp.pad_id())):
+        info[f"{name}_id"] = idx if idx >= 0 else None
+        info[f"{name}_token"] = sp.id_to_piece(idx) if idx >= 0 else None
+    info["vocab_size"] = sp.vocab_size()
+    # HF's LlamaTokenizer applies no normaliser and always prepends "▁": it reproduces
+    # sentencepiece only for models trained like LLaMA's (identity rule, whitespace kept).
+    probe = "a  b\n\tc ﬁ é"
+    try:
+        faithful = sp.normalize(probe) == "▁" + probe.replace(" ", "▁")
+    except AttributeError:  # pragma: no cover - very old sentencepiece
+        faithful = True
+    if not faithful:
+        log.warning("%s normalises text (non-identity rule or removes extra whitespace); the exported HF "
+                    "tokenizer will not apply that normalisation. Train with normalization_rule_name="
+                    "'identity', remove_extra_whitespaces=False for an exact match.", path)
+    return info
+
+
+def _write_tokenizer(tokenizer_model: Path, out_dir: Path, info: dict, max_len: int) -> None:
+    shutil.copyfile(tokenizer_model, out_dir / "tokenizer.model")
+    special = {k: info[f"{k}_token"] for k in ("bos", "eos", "unk", "pad") if info[f"{k}_token"] is not None}
+    cfg = {
+        "tokenizer_class": "LlamaTokenizer",
+        "add_bos_token": info["bos_id"] is not None,
+        "add_eos_token": False,
+        "legacy": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+        **{f"{k}_token": v for k, v in special.items()},
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out_dir / "special_tokens_map.json").write_text(
+        json.dumps({f"{k}_token": v for k, v in special.items()}, indent=2) + "\n")
+
+
+def export_hf(args: ModelArgs, state_dict: Mapping[str, torch.Tensor], out_dir: PathLike,
+              tokenizer_model: Optional[PathLike] = None, dtype: torch.dtype = torch.float32,
+              max_shard_bytes: int = _MAX_SHARD_BYTES) -> Path:
+    """Write a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+
+    Files: ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` + index json when larger
+    than ``max_shard_bytes``), ``config.json``, ``generation_config.json`` and, given a
+    sentencepiece ``tokenizer.model``, ``tokenizer.model`` + ``tokenizer_config.json`` for
+    ``AutoTokenizer``. bos/eos ids come from the tokenizer (LLaMA's 1/2 without one).
+    """
+    from safetensors.torch import save_file
+
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype={dtype} is not supported: use torch.float32, torch.bfloat16 or torch.float16")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    info = {"bos_id": 1, "eos_id": 2, "pad_id": None}
+    if tokenizer_model is not None:
+        tokenizer_model = Path(tokenizer_model)
+        if not tokenizer_model.is_file():
+            raise ValueError(f"tokenizer_model {str(tokenizer_model)!r} does not exist")
+        info = _sentencepiece_info(tokenizer_model)
+        if info["vocab_size"] > args.vocab_size:
+            raise ValueError(f"tokenizer {tokenizer_model} has {info['vocab_size']} pieces but "
+                             f"model.vocab_size={args.vocab_size}: export the matching tokenizer")
+
+    hf_sd = {k: v.detach().to(device="cpu", dtype=dtype).contiguous()
+             for k, v in sorted(to_hf_state_dict(state_dict, args).items())}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in hf_sd.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    for old in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        old.unlink()  # a stale shard set would be mixed in on load
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(v.numel() * v.element_size() for v in hf_sd.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    cfg = to_hf_config(args, bos_token_id=info["bos_id"], eos_token_id=info["eos_id"],
+                       pad_token_id=info["pad_id"], torch_dtype=_DTYPE_NAMES[dtype])
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    gen = {k: info[f"{k.split('_')[0]}_id"] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    (out / "generation_config.json").write_text(
+        json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2) + "\n")
+    if tokenizer_model is not None:
+        _write_tokenizer(tokenizer_model, out, info, args.max_seq_len)
+    return out
+
+
+def import_hf(hf_dir: PathLike) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """(ModelArgs, our state dict) from an HF Llama directory (config.json + safetensors, sharded or not)."""
+    from safetensors.torch import load_file
+
+    d = Path(hf_dir)
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{cfg_path} does not exist: pass a Hugging Face model directory")
+    args = from_hf_config(json.loads(cfg_path.read_text()))
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (d / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"no model.safetensors or model.safetensors.index.json in {d}: only safetensors "
+                         "weights are read (re-save with save_pretrained(safe_serialization=True))")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(d / f)))
+    return args, from_hf_state_dict(sd, args)
+
+
+# --------------------------------------------------------------------------------------------
+# CLIs
+# --------------------------------------------------------------------------------------------
+
+
+def export_main(argv: Optional[list[str]] = None) -> None:
+    """``llama-export <checkpoint_dir> <out_dir> [--dtype fp32|bf16|fp16]``."""
+    p = argparse.ArgumentParser(prog="llama-export", description="Export a llama_train checkpoint to Hugging Face format.")
+    p.add_argument("checkpoint_dir", help="a llama_train checkpoint directory")
+    p.add_argument("out_dir", help="where to write the Hugging Face model")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="weight dtype (default fp32)")
+    a = p.parse_args(argv)
+    from llama_train.checkpoint import load_consolidated
+
+    args, state_dict, tokenizer_model = load_consolidated(a.checkpoint_dir)
+    out = export_hf(args, state_dict, a.out_dir, tokenizer_model=tokenizer_model, dtype=_DTYPES[a.dtype])
+    print(f"exported {a.checkpoint_dir} -> {out} ({a.dtype}{', with tokenizer' if tokenizer_model else ''})")
+
+
+def import_main(argv: Optional[list[str]] = None) -> None:
+    """``llama-import <hf_dir> <out_file.pt>``: writes ``{"model_args": ..., "model": state_dict}``."""
+    p = argparse.ArgumentParser(prog="llama-import", description="Import a Hugging Face Llama model.")
+    p.add_argument("hf_dir", help="Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("out_file", help="output .pt file")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast weights (default: keep)")
+    a = p.parse_args(argv)
+    args, sd = import_hf(a.hf_dir)
+    if a.dtype:
+        sd = {k: v.to(_DTYPES[a.dtype]) for k, v in sd.items()}
+    out = Path(a.out_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model_args": asdict(args), "model": sd}, out)
+    print(f"imported {a.hf_dir} -> {out}")

@@ -1,0 +1,560 @@
+"""The LLaMA decoder-only transformer in plain ``torch.nn``.
+
+Nothing here knows about DeepSpeed, process groups or devices: parallelism and precision are
+applied from outside (see ``llama_train.distributed``), weights are initialised by
+``Transformer.init_weights()`` so a model can be built on the meta device to count parameters or
+plan memory of a 70B model instantly, and the module names follow Meta's reference code
+(``tok_embeddings``, ``layers.{i}.attention.wq`` ...), which checkpoints and the Hugging Face
+converter (``llama_train.hf``) rely on.
+
+Shape letters: B batch, T query length, S key length (cached prefix + T), D model dim,
+H query heads, KV key/value heads, hd head dim, V vocabulary.
+
+RoPE convention: Meta's *interleaved* pairs. Feature pairs (x0, x1), (x2, x3), ... of each head are
+rotated together, pair i by angle ``pos * theta^(-2i/hd)``. We keep Meta's layout (not the
+Hugging Face/NeoX "half-split" pairs (x_i, x_{i+hd/2})) so that weights stay in the reference
+layout together with the reference names: a Meta ``consolidated.pth`` maps onto this model by name
+alone, and exactly one place, ``llama_train.hf``, permutes the rows of ``wq``/``wk`` for
+Hugging Face. Both conventions compute the same function once the rows are permuted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# `enable_gqa` appeared in torch 2.5; older torch gets the K/V heads repeated explicitly.
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2] if p.isdigit()) >= (2, 5)
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelArgs:
+    """Shape of a LLaMA model. Defaults are a valid tiny model (~1 M parameters).
+
+    Field names are the Hydra keys under ``model.`` (``configs/model/<preset>.yaml`` lists them all).
+    """
+
+    dim: int = 128
+    """Residual stream width D."""
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention; None means n_heads (plain multi-head)."""
+    vocab_size: int = 2048
+    multiple_of: int = 64
+    """SwiGLU hidden size is rounded up to a multiple of this (see ``ffn_hidden_dim``)."""
+    ffn_dim_multiplier: Optional[float] = None
+    """Scales the SwiGLU hidden size before rounding (LLaMA-2 70B and LLaMA-3 use 1.3)."""
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 256
+    """Longest sequence the RoPE tables (and the KV cache) cover."""
+    tie_embeddings: bool = False
+    """Share the output head with the token embedding matrix."""
+    init_std: float = 0.02
+    activation_checkpointing: bool = False
+    """Recompute each block in backward (per-block, non-reentrant); training mode only."""
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            _check_positive_int(name, getattr(self, name))
+        if self.n_kv_heads is not None:
+            _check_positive_int("n_kv_heads", self.n_kv_heads)
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            setattr(self, name, _check_positive_float(name, getattr(self, name)))
+        if self.ffn_dim_multiplier is not None:
+            self.ffn_dim_multiplier = _check_positive_float(
+                "ffn_dim_multiplier", self.ffn_dim_multiplier,
+                hint="use null for the plain LLaMA rule, or e.g. 1.3 as in LLaMA-3")
+        for name in ("tie_embeddings", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model.{name}={getattr(self, name)!r} must be true or false")
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: "
+                "choose n_heads that divides dim (head_dim = dim / n_heads)")
+        if self.head_dim % 2:
+            raise ValueError(
+                f"model.dim={self.dim} / model.n_heads={self.n_heads} gives an odd head_dim="
+                f"{self.head_dim}, but RoPE rotates feature pairs: choose dim and n_heads so that "
+                "dim / n_heads is even")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads="
+                f"{self.n_kv_heads}: choose n_kv_heads that divides n_heads (each key/value head "
+                "serves n_heads / n_kv_heads query heads), or null for plain multi-head attention")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads with the ``None`` default resolved."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU hidden size, by Meta's rule.
+
+        A SwiGLU block has three matrices instead of two, so LLaMA starts from 2/3 of the usual
+        4*dim to keep the parameter count of a 4*dim MLP: ``hidden = int(2 * 4 * dim / 3)``.
+        Optionally scale it, ``hidden = int(ffn_dim_multiplier * hidden)``, then round UP to a
+        multiple of ``multiple_of`` for hardware-friendly matmul shapes. Examples: 7B
+        (4096, 256) -> 11008; LLaMA-3 8B (4096, 1024, x1.3) -> 14336; 70B (8192, 4096, x1.3) -> 28672.
+        """
+        return ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelArgs":
+        """Build from a plain dict or an OmegaConf ``DictConfig``; unknown keys are an error."""
+        try:  # a Hydra/OmegaConf node: resolve interpolations into plain Python values
+            from omegaconf import DictConfig, OmegaConf
+
+            if isinstance(d, DictConfig):
+                d = OmegaConf.to_container(d, resolve=True)
+        except ImportError:  # pragma: no cover
+            pass
+        if not isinstance(d, Mapping):
+            raise ValueError(f"model config must be a mapping of ModelArgs fields, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown model config key(s) {', '.join('model.' + k for k in unknown)}: "
+                f"valid keys are {', '.join(sorted(known))}")
+        return cls(**dict(d))
+
+
+def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:
+    """The LLaMA SwiGLU hidden-size rule; see ``ModelArgs.ffn_hidden_dim``."""
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"model.{name}={value!r} must be an integer (got {type(value).__name__})")
+    if value <= 0:
+        raise ValueError(f"model.{name}={value} must be a positive integer")
+
+
+def _check_positive_float(name: str, value: Any, hint: str = "") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"model.{name}={value!r} must be a number (got {type(value).__name__})")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"model.{name}={value} must be a positive finite number" + (f": {hint}" if hint else ""))
+    return float(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Analytic helpers (no module is built)
+# --------------------------------------------------------------------------------------------
+
+
+def _layer_matmul_params(args: ModelArgs) -> int:
+    d, hd = args.dim, args.head_dim
+    attn = d * args.n_heads * hd * 2 + d * args.kv_heads * hd * 2  # wq, wo + wk, wv
+    ffn = 3 * d * args.ffn_hidden_dim  # w1, w2, w3
+    return attn + ffn
+
+
+def count_params(args: ModelArgs) -> dict:
+    """Parameter counts computed from the args alone.
+
+    ``total`` counts a tied embedding/output matrix once; ``embedding`` is ``tok_embeddings`` only;
+    ``non_embedding = total - embedding`` (so it includes the output head when untied).
+    """
+    embedding = args.vocab_size * args.dim
+    per_layer = _layer_matmul_params(args) + 2 * args.dim  # + attention_norm, ffn_norm
+    output = 0 if args.tie_embeddings else args.vocab_size * args.dim
+    total = embedding + args.n_layers * per_layer + args.dim + output  # + final norm
+    return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), PaLM appendix B convention.
+
+    ``6 * N_matmul + 12 * n_layers * dim * seq_len``: ``N_matmul`` counts every weight used in a
+    matmul, the output head included (even when tied, the matmul still happens) and the embedding
+    lookup and norms excluded; the second term is the attention score/value matmuls (QK^T and AV,
+    full T x T, no discount for the causal mask).
+    """
+    if seq_len <= 0:
+        raise ValueError(f"seq_len={seq_len} must be positive")
+    n_matmul = args.n_layers * _layer_matmul_params(args) + args.vocab_size * args.dim
+    return float(6 * n_matmul + 12 * args.n_layers * args.dim * seq_len)
+
+
+def list_presets() -> list[str]:
+    """Names of the model presets in ``configs/model``."""
+    from llama_train.paths import CONFIG_DIR
+
+    return sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml"))
+
+
+PRESETS: tuple[str, ...] = tuple(list_presets())
+
+
+def load_preset(name_or_path: Union[str, Path]) -> ModelArgs:
+    """ModelArgs from ``configs/model/<name>.yaml`` or from a yaml file path."""
+    from omegaconf import OmegaConf
+
+    from llama_train.paths import CONFIG_DIR
+
+    p = Path(name_or_path)
+    if p.suffix not in (".yaml", ".yml") and len(p.parts) == 1:
+        p = Path(CONFIG_DIR) / "model" / f"{name_or_path}.yaml"
+        if not p.is_file():
+            raise ValueError(
+                f"unknown model preset {str(name_or_path)!r}: choose one of {', '.join(list_presets())} "
+                f"(files in {Path(CONFIG_DIR) / 'model'}) or pass a yaml path")
+    elif not p.is_file():
+        raise ValueError(f"model config file {str(p)!r} does not exist")
+    cfg = OmegaConf.load(p)
+    try:
+        return ModelArgs.from_dict(cfg)
+    except ValueError as e:
+        raise ValueError(f"{p}: {e}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight``, normalised in fp32 (bf16 sums of squares drift)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin tables, each (max_seq_len, head_dim // 2); pair i turns at ``theta^(-2i/hd)``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    pos = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(pos, inv_freq)  # (max_seq_len, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved feature pairs (x0, x1), (x2, x3), ... (Meta's convention).
+
+    x: (B, T, heads, hd); cos, sin: (T, hd/2). Computed in fp32 and cast back, like the reference.
+    """
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each (B, T, heads, hd/2)
+    cos, sin = cos.float()[:, None, :], sin.float()[:, None, :]  # (T, 1, hd/2)
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (B, T, heads, hd/2, 2)
+    return out.flatten(-2).type_as(x)
+
+
+class KVCache:
+    """Per-layer key/value buffers for incremental decoding.
+
+    ``k[i]``, ``v[i]``: (B, KV, max_len, hd), laid out as SDPA reads them so no transpose is needed.
+    The cache does not track a position: the caller passes ``start_pos`` to ``Transformer.forward``
+    (the number of tokens already written), which keeps the cache a plain pair of tensors per layer.
+    """
+
+    def __init__(self, args: ModelArgs, batch_size: int, max_len: int,
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
+        shape = (batch_size, args.kv_heads, max_len, args.head_dim)
+        self.max_len = max_len
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query K/V heads and RoPE, no biases."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None, start_pos: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
+
+        mask, causal = None, T > 1
+        if cache is not None:
+            k_cache, v_cache = cache  # (B, KV, max_len, hd)
+            end = start_pos + T
+            k_cache[:B, :, start_pos:end] = k
+            v_cache[:B, :, start_pos:end] = v
+            k, v = k_cache[:B, :, :end], v_cache[:B, :, :end]  # (B, KV, S, hd)
+            if start_pos > 0 and T > 1:
+                # SDPA's is_causal aligns the mask top-left, wrong for a chunk after a prefix:
+                # query i sits at absolute position start_pos + i and sees keys 0..start_pos + i.
+                q_pos = torch.arange(start_pos, end, device=x.device)
+                mask = torch.arange(end, device=x.device)[None, :] <= q_pos[:, None]  # (T, S)
+                causal = False
+            elif T == 1:
+                causal = False  # one new token sees the whole prefix
+
+        if _SDPA_HAS_GQA:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                 enable_gqa=self.n_kv_heads != self.n_heads)
+        else:  # pragma: no cover - torch < 2.5
+            rep = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*hd)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``, hidden size from ``ModelArgs.ffn_hidden_dim``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hidden = args.ffn_hidden_dim
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)  # gate
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)  # down
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None, start_pos: int = 0) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+class Transformer(nn.Module):
+    """``tok_embeddings -> layers -> norm -> output``.
+
+    Build on the meta device to plan without memory (``with torch.device("meta"): Transformer(a)``),
+    then ``model.to_empty(device=d); model.init_weights()`` to materialise it.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Non-persistent: derived from args, so they never enter a checkpoint.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``output.weight`` the very tensor ``tok_embeddings.weight`` (if tied).
+
+        ``to_empty()`` creates fresh parameters and silently unties them; ``init_weights`` re-ties.
+        """
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """LLaMA pretraining init, GPT-2/OLMo style, and the RoPE tables.
+
+        normal(0, init_std) for the embedding and every linear; the residual output projections
+        (``wo``, ``w2``) get ``init_std / sqrt(2 * n_layers)`` so the residual stream's variance
+        does not grow with depth (two residual adds per block); norm weights 1.
+        """
+        self.tie_weights()
+        std = self.args.init_std
+        res_std = std / math.sqrt(2 * self.args.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, 0.0, std)
+        for layer in self.layers:
+            a, f = layer.attention, layer.feed_forward
+            for lin in (a.wq, a.wk, a.wv, f.w1, f.w3):
+                nn.init.normal_(lin.weight, 0.0, std)
+            for lin in (a.wo, f.w2):
+                nn.init.normal_(lin.weight, 0.0, res_std)
+            nn.init.ones_(layer.attention_norm.weight)
+            nn.init.ones_(layer.ffn_norm.weight)
+        nn.init.ones_(self.norm.weight)
+        if not self.args.tie_embeddings:
+            nn.init.normal_(self.output.weight, 0.0, std)
+        self.rope_cos, self.rope_sin = rope_tables(
+            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=self.tok_embeddings.weight.device)
+
+    def new_kv_cache(self, batch_size: int, max_len: Optional[int] = None,
+                     dtype: Optional[torch.dtype] = None) -> KVCache:
+        """An empty cache on the model's device, in the model's dtype unless told otherwise."""
+        w = self.tok_embeddings.weight
+        max_len = self.args.max_seq_len if max_len is None else max_len
+        if not 0 < max_len <= self.args.max_seq_len:
+            raise ValueError(f"KV cache max_len={max_len} must be in 1..model.max_seq_len={self.args.max_seq_len}")
+        return KVCache(self.args, batch_size, max_len, device=w.device, dtype=dtype or w.dtype)
+
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
+                start_pos: int = 0, kv_cache: Optional[KVCache] = None):
+        """tokens (B, T) -> logits (B, T, V) in fp32, or ``(logits, loss)`` when targets are given.
+
+        Loss is the mean cross-entropy over targets != -100. For incremental decoding pass a
+        ``kv_cache`` from ``new_kv_cache`` and ``start_pos`` = number of tokens already in it; the
+        new tokens sit at positions ``start_pos .. start_pos + T - 1``.
+        """
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be (batch, seq_len), got shape {tuple(tokens.shape)}")
+        B, T = tokens.shape
+        end = start_pos + T
+        limit = self.args.max_seq_len if kv_cache is None else min(kv_cache.max_len, self.args.max_seq_len)
+        if start_pos < 0 or end > limit:
+            raise ValueError(
+                f"positions {start_pos}..{end - 1} exceed the limit of {limit} tokens "
+                f"(model.max_seq_len={self.args.max_seq_len}): raise model.max_seq_len or shorten the input")
+        cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]  # (T, hd/2)
+
+        h = self.tok_embeddings(tokens)  # (B, T, D)
+        ckpt = self.args.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for i, layer in enumerate(self.layers):
+            if kv_cache is not None:
+                h = layer(h, cos, sin, (kv_cache.k[i], kv_cache.v[i]), start_pos)
+            elif ckpt:
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        logits = self.output(self.norm(h)).float()  # (B, T, V)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, prompt: Union[torch.Tensor, Sequence[Sequence[int]]], max_new_tokens: int,
+                 temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 eos_id: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                 pad_id: Optional[int] = None) -> torch.Tensor:
+        """Prompt + continuation, (B, max_prompt_len + max_new_tokens) LongTensor.
+
+        ``prompt`` is a (B, T) tensor or a list of token lists of any lengths. temperature 0 is
+        greedy. Decoding starts at the shortest prompt; longer prompts are teacher-forced until
+        their own end, so one KV cache serves a ragged batch. Row i holds ``len_i +
+        max_new_tokens`` tokens, then ``pad_id`` (default ``eos_id``, else 0); after a row emits
+        ``eos_id`` the rest of it is ``eos_id``, and the result is cut short once all rows have.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        device = self.tok_embeddings.weight.device
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 2 or prompt.size(1) == 0:
+                raise ValueError(f"prompt tensor must be (batch, seq_len>0), got {tuple(prompt.shape)}")
+            rows = prompt.to(device=device, dtype=torch.long)
+            lens = torch.full((rows.size(0),), rows.size(1), device=device)
+        else:
+            prompt = [list(p) for p in prompt]
+            if not prompt or any(len(p) == 0 for p in prompt):
+                raise ValueError("prompt must be a non-empty list of non-empty token lists")
+            rows = None
+            lens = torch.tensor([len(p) for p in prompt], device=device)
+        B, max_len, min_len = lens.numel(), int(lens.max()), int(lens.min())
+        total = max_len + max_new_tokens
+        if total > self.args.max_seq_len:
+            raise ValueError(
+                f"prompt ({max_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                f"model.max_seq_len={self.args.max_seq_len}")
+        pad = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+        buf = torch.full((B, total), pad, dtype=torch.long, device=device)
+        if rows is not None:
+            buf[:, :max_len] = rows
+        else:
+            for i, p in enumerate(prompt):
+                buf[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        in_prompt = torch.arange(total, device=device)[None, :] < lens[:, None]  # (B, total)
+
+        was_training = self.training
+        self.eval()
+        try:
+            cache = self.new_kv_cache(B, total)
+            done = torch.zeros(B, dtype=torch.bool, device=device)
+            prev, end = 0, total
+            for cur in range(min_len, total):
+                logits = self(buf[:, prev:cur], start_pos=prev, kv_cache=cache)[:, -1]  # (B, V)
+                nxt = sample_next_token(logits, temperature, top_k, top_p, generator)
+                nxt = torch.where(in_prompt[:, cur], buf[:, cur], nxt)
+                if eos_id is not None:
+                    nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+                    done |= ~in_prompt[:, cur] & (nxt == eos_id)
+                buf[:, cur] = nxt
+                prev = cur
+                if eos_id is not None and bool(done.all()):
+                    end = cur + 1
+                    break
+        finally:
+            self.train(was_training)
+        buf = buf[:, :end]
+        beyond = torch.arange(end, device=device)[None, :] >= (lens + max_new_tokens)[:, None]
+        return buf.masked_fill(beyond, pad)
+
+
+def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
+                      top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """logits (B, V) -> token ids (B,). Greedy at temperature 0, else top-k then nucleus (top-p).
+
+    Nucleus keeps the smallest set of most likely tokens whose probability reaches top_p (the top
+    token is always kept).
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1 or None")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p} must be in (0, 1] or None")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p  # probability of strictly more likely tokens
+        sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,26 @@
+"""Test environment: CPU DeepSpeed, offline hubs, a per-session cache for prepared data."""
+
+import os
+import shutil
+import tempfile
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.pop("WANDB_API_KEY", None)
+
+_SESSION_CACHE = None
+
+
+def pytest_configure(config):
+    global _SESSION_CACHE
+    if "LLAMA_TRAIN_CACHE" not in os.environ:
+        _SESSION_CACHE = tempfile.mkdtemp(prefix="llama_train_cache_")
+        os.environ["LLAMA_TRAIN_CACHE"] = _SESSION_CACHE
+
+
+def pytest_unconfigure(config):
+    if _SESSION_CACHE:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)

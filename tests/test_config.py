@@ -1,0 +1,171 @@
+"""Config composition, cross-field validation and the learning-rate schedule (no processes)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from llama_train.config import ConfigError, resolve_batch
+from llama_train.optim import lr_at, make_scheduler, param_groups
+from llama_train.paths import CONFIG_DIR
+from llama_train.train import load_config, preflight
+
+from helpers import REPO, TINY
+
+
+def compose_cfg(overrides):
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        return load_config(compose("config", overrides=list(overrides)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedule
+
+
+def test_schedule_boundaries():
+    kw = dict(lr=1e-3, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, **kw) == 0.0  # warmup starts from 0
+    assert lr_at(5, **kw) == pytest.approx(5e-4)
+    assert lr_at(10, **kw) == pytest.approx(1e-3)  # peak at the end of warmup
+    assert lr_at(60, **kw) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4))  # half way: mid value
+    assert lr_at(110, **kw) == pytest.approx(1e-4)  # min_lr_ratio * peak at max_steps
+    assert lr_at(500, **kw) == pytest.approx(1e-4)  # constant afterwards
+    values = [lr_at(s, **kw) for s in range(0, 120)]
+    assert all(b >= a for a, b in zip(values[:10], values[1:11]))  # rising in warmup
+    assert all(b <= a + 1e-15 for a, b in zip(values[10:], values[11:]))  # falling after
+    assert lr_at(0, lr=1.0, warmup_steps=0, max_steps=10, min_lr_ratio=0.0) == 1.0
+
+
+def test_scheduler_values_follow_updates():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=2.0)
+    from llama_train.config import OptimConfig
+
+    sched = make_scheduler(opt, OptimConfig(lr=2.0, warmup_steps=4, min_lr_ratio=0.5), 20)
+    seen = []
+    for _ in range(25):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    # update k (1-based) uses lr_at(k)
+    for k, lr in enumerate(seen, start=1):
+        assert lr == pytest.approx(lr_at(k, lr=2.0, warmup_steps=4, max_steps=20, min_lr_ratio=0.5))
+
+
+def test_weight_decay_groups():
+    from llama_train.config import OptimConfig
+    from llama_train.model import ModelArgs, Transformer
+
+    m = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, multiple_of=16))
+    groups = param_groups(m, OptimConfig())
+    names = {id(p): n for n, p in m.named_parameters()}
+    decay = {names[id(p)] for p in groups[0]["params"]}
+    no_decay = {names[id(p)] for p in groups[1]["params"]}
+    assert "tok_embeddings.weight" in no_decay and "norm.weight" in no_decay
+    assert "layers.0.attention_norm.weight" in no_decay
+    assert "layers.0.attention.wq.weight" in decay and "output.weight" in decay
+    assert groups[1]["weight_decay"] == 0.0
+    groups = param_groups(m, OptimConfig(decay_embeddings=True, decay_norms_and_biases=True))
+    assert len(groups) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch arithmetic
+
+
+def test_global_batch_resolution():
+    cfg = compose_cfg(["trainer.micro_batch=2", "trainer.global_batch=8"])
+    plan = resolve_batch(cfg.trainer, world_size=2)
+    assert (plan.grad_accum, plan.global_batch) == (2, 8)
+    cfg = compose_cfg(["trainer.micro_batch=2", "trainer.seq_len=64",
+                       "trainer.global_batch_tokens=768"])
+    plan = resolve_batch(cfg.trainer, world_size=3)
+    assert (plan.global_batch, plan.grad_accum, plan.tokens_per_step) == (12, 2, 768)
+    plan = resolve_batch(compose_cfg(["trainer.micro_batch=4"]).trainer, world_size=2)
+    assert (plan.global_batch, plan.grad_accum) == (8, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad configurations: a table. Each must fail before any process group starts, naming the key.
+
+BAD = [
+    # (overrides, key the message must name)
+    (["model.dim=100", "model.n_heads=3"], "model.n_heads"),  # shapes
+    (["model.n_heads=8", "model.n_kv_heads=3"], "model.n_kv_heads"),
+    (["model.dim=24", "model.n_heads=8", "model.n_kv_heads=8"], "model"),  # odd head_dim for RoPE
+    (["trainer.seq_len=512"], "model.max_seq_len"),  # tiny has max_seq_len 256
+    (["trainer.global_batch=6"], "trainer.global_batch"),  # batch arithmetic (6 % (2*2))
+    (["trainer.global_batch_tokens=100"], "trainer.global_batch_tokens"),
+    (["trainer.global_batch=8", "trainer.global_batch_tokens=512"], "trainer.global_batch"),
+    (["deepspeed.offload_params=true", "deepspeed.zero_stage=2"], "deepspeed.offload_params"),
+    (["deepspeed.offload_optimizer=true", "deepspeed.zero_stage=0"],
+     "deepspeed.offload_optimizer"),
+    (["deepspeed.precision=fp16"], "deepspeed.precision"),  # fp16 on CPU
+    (["deepspeed.zero_stage=4"], "deepspeed.zero_stage"),
+    (["deepspeed.precision=fp8"], "deepspeed.precision"),
+    (["trainer.max_steps=0"], "trainer.max_steps"),  # negative or zero values
+    (["trainer.micro_batch=-1"], "trainer.micro_batch"),
+    (["optim.lr=0"], "optim.lr"),
+    (["optim.min_lr_ratio=1.5"], "optim.min_lr_ratio"),
+    (["optim.beta2=1.0"], "optim.beta2"),
+    (["model.vocab_size=0"], "model.vocab_size"),
+    (["trainer.resume=/no/such/checkpoint"], "trainer.resume"),
+    (["tracking.wandb.mode=sometimes"], "tracking.wandb.mode"),
+    (["data.source=/no/such/corpus.jsonl"], "/no/such/corpus.jsonl"),  # missing data
+    (["data.val_fraction=1.5"], "data.val_fraction"),
+    (["scaling.mode=compute_optimal"], "scaling.flops"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_config_fails_before_process_group(overrides, key, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError) as err:
+        preflight(compose_cfg([*TINY, *overrides]))
+    assert key in str(err.value), str(err.value)
+    assert not dist.is_initialized()
+
+
+BAD_COMPOSE = [
+    (["trainer.max_step=5"], "max_step"),  # unknown key (typo)
+    (["+trainer.foo=1"], "foo"),  # unknown key, even when forced with +
+    (["trainer.max_steps=many"], "max_steps"),  # wrong type
+    (["model=llama4_1t"], "llama4_1t"),  # unknown preset
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD_COMPOSE, ids=[" ".join(o) for o, _ in BAD_COMPOSE])
+def test_unknown_keys_and_types_fail_at_composition(overrides, key):
+    with pytest.raises((ConfigCompositionException, ConfigKeyError, ValidationError, ConfigError)) \
+            as err:
+        compose_cfg(overrides)
+    assert key in str(err.value) or key in str(err.value.__cause__)
+
+
+def test_cli_reports_config_error_without_starting(tmp_path):
+    """The real entry point: a clear message, exit code 2, in seconds, no process group."""
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "llama_train.train", *TINY, "model.n_heads=3",
+         f"trainer.output_dir={tmp_path}/out", "--local_rank=0"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "model.n_heads" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "init_distributed" not in proc.stderr + proc.stdout
+    assert time.time() - t0 < 120

@@ -1,0 +1,219 @@
+"""Parity with Hugging Face transformers' Llama, export/import round trips, tokenizer export."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may come from the hub; set before transformers loads
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import pytest
+import torch
+
+from llama_train.hf import (
+    export_hf,
+    from_hf_config,
+    from_hf_state_dict,
+    import_hf,
+    import_main,
+    to_hf_config,
+    to_hf_state_dict,
+)
+from llama_train.model import ModelArgs, Transformer, load_preset
+
+transformers = pytest.importorskip("transformers")
+spm = pytest.importorskip("sentencepiece")
+
+# GQA (4 query heads share 2 kv heads), a non-default theta, a non-round ffn size
+ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=400, multiple_of=48,
+                 rope_theta=31337.0, norm_eps=1e-6, max_seq_len=64)
+
+
+def ours(args: ModelArgs, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    m = Transformer(args)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.mul_(5)  # larger weights make a wrong RoPE pairing visible in the logits
+    return m.eval()
+
+
+def hf_model(args: ModelArgs):
+    cfg = transformers.LlamaConfig(**to_hf_config(args))
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def tokens(args: ModelArgs) -> torch.Tensor:
+    return torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_ours_to_hf_logits_match(tied):
+    args = replace(ARGS, tie_embeddings=tied)
+    m = ours(args)
+    hf = hf_model(args)
+    hf.load_state_dict(to_hf_state_dict(m.state_dict(), args), strict=not tied)
+    if tied:
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    x = tokens(args)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, m(x), atol=1e-4, rtol=0)
+
+
+def test_hf_to_ours_logits_match():
+    torch.manual_seed(1)
+    hf = hf_model(ARGS)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.1)
+    m = Transformer(ARGS).eval()
+    m.load_state_dict(from_hf_state_dict(hf.state_dict(), ARGS), strict=True)
+    x = tokens(ARGS)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), hf(x).logits, atol=1e-4, rtol=0)
+
+
+def test_state_dict_conversion_is_an_exact_inverse():
+    m = ours(ARGS)
+    sd = m.state_dict()
+    back = from_hf_state_dict(to_hf_state_dict(sd, ARGS), ARGS)
+    assert back.keys() == sd.keys()
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
+    # the q/k permutation is real (not the identity) and v is untouched
+    hf = to_hf_state_dict(sd, ARGS)
+    assert not torch.equal(hf["model.layers.0.self_attn.q_proj.weight"], sd["layers.0.attention.wq.weight"])
+    assert torch.equal(hf["model.layers.0.self_attn.v_proj.weight"], sd["layers.0.attention.wv.weight"])
+
+
+def test_config_round_trip_recovers_published_ffn_settings():
+    for name in ("llama1_7b", "llama1_33b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b"):
+        args = load_preset(name)
+        assert from_hf_config(to_hf_config(args)) == args, name
+    for dim, inter in [(64, 100), (64, 5), (128, 384), (4096, 11008), (96, 4096)]:
+        cfg = to_hf_config(ModelArgs(dim=dim, n_heads=4))
+        cfg["intermediate_size"] = inter
+        assert from_hf_config(cfg).ffn_hidden_dim == inter
+    # and transformers reads our config.json the way we meant it
+    hf_cfg = transformers.LlamaConfig(**to_hf_config(ARGS))
+    assert hf_cfg.intermediate_size == ARGS.ffn_hidden_dim and hf_cfg.num_key_value_heads == 2
+    assert hf_cfg.rope_parameters["rope_theta"] == ARGS.rope_theta
+
+
+def test_conversion_errors_are_clear():
+    sd = ours(ARGS).state_dict()
+    del sd["layers.1.feed_forward.w3.weight"]
+    with pytest.raises(ValueError, match=r"missing 1 key\(s\): layers\.1\.feed_forward\.w3\.weight"):
+        to_hf_state_dict(sd, ARGS)
+    wrapped = {"module." + k: v for k, v in ours(ARGS).state_dict().items()}
+    with pytest.raises(ValueError, match="wrapper prefix"):
+        to_hf_state_dict(wrapped, ARGS)
+    cfg = to_hf_config(ARGS)
+    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    with pytest.raises(ValueError, match="RoPE scaling"):
+        from_hf_config(cfg)
+    with pytest.raises(ValueError, match="model_type"):
+        from_hf_config({**to_hf_config(ARGS), "model_type": "gpt2"})
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    """A ~400-piece byte-fallback BPE trained on the stdlib's pydoc topics (a few tens of KB)."""
+    from pydoc_data import topics
+
+    text = "\n".join(topics.topics[k] for k in sorted(topics.topics)[:15])
+    prefix = tmp_path_factory.mktemp("spm") / "sp"
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text.splitlines()), model_prefix=str(prefix), vocab_size=400,
+        model_type="bpe", byte_fallback=True, character_coverage=0.995, minloglevel=2,
+        normalization_rule_name="identity", remove_extra_whitespaces=False)
+    return prefix.with_suffix(".model"), text
+
+
+def test_export_loads_in_transformers_with_equal_logits_and_tokenizer(tmp_path, sp_model):
+    model_file, text = sp_model
+    m = ours(ARGS)
+    out = export_hf(ARGS, m.state_dict(), tmp_path / "hf", tokenizer_model=model_file)
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.model",
+            "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    x = tokens(ARGS)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, m(x), atol=1e-4, rtol=0)
+
+    tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    samples = ["Hello world", "The assert statement.\nIt   has  runs of spaces\tand tabs.",
+               "naïve café 日本語 ☃", "def f(x):\n    return x**2\n", text[:4000]]
+    for s in samples:
+        assert tok(s, add_special_tokens=False)["input_ids"] == sp.encode(s), s[:30]
+        assert tok.decode(sp.encode(s)) == s
+    assert tok("Hello")["input_ids"] == [sp.bos_id()] + sp.encode("Hello")
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (sp.bos_id(), sp.eos_id())
+
+
+def test_import_round_trips_and_reads_shards(tmp_path):
+    m = ours(ARGS)
+    sd = m.state_dict()
+    export_hf(ARGS, sd, tmp_path / "one")
+    args, back = import_hf(tmp_path / "one")
+    assert args.ffn_hidden_dim == ARGS.ffn_hidden_dim and replace(args, multiple_of=ARGS.multiple_of) == ARGS
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+
+    # sharded: several files plus the index json
+    out = export_hf(ARGS, sd, tmp_path / "sharded", max_shard_bytes=200_000)
+    assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    x = tokens(ARGS)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, m(x), atol=1e-4, rtol=0)
+    _, back = import_hf(out)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+    # bf16 export is bf16 on disk and says so in config.json
+    out = export_hf(ARGS, sd, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    _, back = import_hf(out)
+    assert back["layers.0.attention.wq.weight"].dtype == torch.bfloat16
+    torch.testing.assert_close(back["layers.0.attention.wq.weight"].float(), sd["layers.0.attention.wq.weight"],
+                               atol=0.05, rtol=0.01)
+
+
+def test_import_cli_writes_a_loadable_checkpoint(tmp_path):
+    args = replace(ARGS, tie_embeddings=True)
+    m = ours(args)
+    export_hf(args, m.state_dict(), tmp_path / "hf")
+    import_main([str(tmp_path / "hf"), str(tmp_path / "ckpt.pt")])
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    loaded = ModelArgs(**ckpt["model_args"])
+    assert loaded.tie_embeddings and loaded.ffn_hidden_dim == args.ffn_hidden_dim
+    m2 = Transformer(loaded).eval()
+    m2.load_state_dict(ckpt["model"], strict=True)
+    x = tokens(args)
+    with torch.no_grad():
+        torch.testing.assert_close(m2(x), m(x))
+    with pytest.raises(ValueError, match="config.json"):
+        import_hf(tmp_path / "nowhere")
+
+
+def test_export_warns_when_the_tokenizer_normalises_text(tmp_path, caplog):
+    from pydoc_data import topics
+
+    spm.SentencePieceTrainer.train(  # sentencepiece's default nmt_nfkc rule, extra spaces removed
+        sentence_iterator=iter(topics.topics["assert"].splitlines() * 20), model_prefix=str(tmp_path / "nfkc"),
+        vocab_size=300, model_type="bpe", byte_fallback=True, character_coverage=0.99, minloglevel=2)
+    with caplog.at_level("WARNING", logger="llama_train.hf"):
+        export_hf(ARGS, ours(ARGS).state_dict(), tmp_path / "hf", tokenizer_model=tmp_path / "nfkc.model")
+    assert "normalization_rule_name='identity'" in caplog.text
+    with pytest.raises(ValueError, match="tokenizer_model"):
+        export_hf(ARGS, ours(ARGS).state_dict(), tmp_path / "hf2", tokenizer_model=tmp_path / "missing.model")
