@@ -185,7 +185,8 @@ class CheckpointManager:
         error = _agree(error)
         if error is None:
             try:
-                engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
+                engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False,
+                                       client_state=_universal_info())
                 (tmp / "ranks").mkdir(exist_ok=True)
                 torch.save(rank_state, tmp / "ranks" / f"rank_{self.rank:05d}.pt")
             except Exception as e:  # noqa: BLE001 - disk full, permissions, ...
@@ -275,6 +276,16 @@ class CheckpointManager:
         rank_file = ckpt / "ranks" / f"rank_{self.rank:05d}.pt"
         rank_state = torch.load(rank_file, weights_only=True) if rank_file.exists() else {}
         return state, rank_state
+
+
+def _universal_info() -> Dict[str, Any]:
+    """What ds_to_universal needs to re-partition our (tensor-parallel-free) model."""
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO,
+                                                UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+    return {UNIVERSAL_CHECKPOINT_INFO: {
+        UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
 
 
 def prepare_universal(ckpt: Path, rank: int) -> Path:

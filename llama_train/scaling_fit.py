@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -325,48 +324,45 @@ def paper_init_grid() -> np.ndarray:
     return np.stack([m.ravel() for m in mesh], axis=1)
 
 
-def _lse_terms(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray) -> np.ndarray:
-    """The three exponents of the LSE; theta (..., 5) -> (..., n_points, 3)."""
-    a, b, e, al, be = (theta[..., i : i + 1] for i in range(5))
+def _lse_parts(theta, log_n, log_d):
+    """LSE(a - alpha log N, b - beta log D, e) and its softmax weights, shift-stabilised.
+
+    theta is (5,) or (k, 5); returns arrays of shape (n,) or (k, n).
+    """
+    theta = np.asarray(theta, dtype=float)
+    a, b, e, al, be = (theta[..., i, None] for i in range(5))
     t1 = a - al * log_n
     t2 = b - be * log_d
-    t3 = np.broadcast_to(e, t1.shape)
-    return np.stack([t1, t2, t3], axis=-1)
+    t3 = e + 0.0 * t1
+    m = np.maximum(np.maximum(t1, t2), t3)
+    x1, x2, x3 = np.exp(t1 - m), np.exp(t2 - m), np.exp(t3 - m)
+    s = x1 + x2 + x3
+    return m + np.log(s), x1 / s, x2 / s, x3 / s
 
 
 def _huber_over_delta(r: np.ndarray, delta: float) -> np.ndarray:
     """Huber_delta(r) / delta: same minimiser, O(1) scale so L-BFGS's tolerances bite.
 
-    Besiroglu et al. 2024 traced the original fit's too-early stops to a tiny objective scale
-    (averaged Huber terms with delta=1e-3); dividing by delta and summing avoids that.
+    Besiroglu et al. 2024 point to the original fit stopping early; with delta=1e-3 (and averaged
+    terms) the objective is so small that L-BFGS's tolerances end the search too soon. Summing
+    and dividing by delta keeps it O(1) per run.
     """
     ar = np.abs(r)
     return np.where(ar <= delta, 0.5 * r * r / delta, ar - 0.5 * delta)
 
 
 def _objective_batch(thetas: np.ndarray, log_n, log_d, log_l, delta) -> np.ndarray:
-    from scipy.special import logsumexp
-
-    terms = _lse_terms(thetas, log_n, log_d)
-    r = logsumexp(terms, axis=-1) - log_l
-    return _huber_over_delta(r, delta).sum(axis=-1)
+    lse = _lse_parts(thetas, log_n, log_d)[0]
+    return _huber_over_delta(lse - log_l, delta).sum(axis=-1)
 
 
 def _objective_and_grad(theta: np.ndarray, log_n, log_d, log_l, delta) -> Tuple[float, np.ndarray]:
-    from scipy.special import logsumexp, softmax
-
-    terms = _lse_terms(theta, log_n, log_d)  # (n, 3)
-    lse = logsumexp(terms, axis=-1)
+    lse, w1, w2, w3 = _lse_parts(theta, log_n, log_d)
     r = lse - log_l
-    w = softmax(terms, axis=-1)  # d lse / d term
     dh = np.clip(r / delta, -1.0, 1.0)  # d (huber/delta) / d r
-    g = np.empty(5)
-    g[0] = np.sum(dh * w[:, 0])
-    g[1] = np.sum(dh * w[:, 1])
-    g[2] = np.sum(dh * w[:, 2])
-    g[3] = -np.sum(dh * w[:, 0] * log_n)
-    g[4] = -np.sum(dh * w[:, 1] * log_d)
-    return float(_huber_over_delta(r, delta).sum()), g
+    g1, g2 = dh * w1, dh * w2
+    grad = np.array([g1.sum(), g2.sum(), (dh * w3).sum(), -(g1 @ log_n), -(g2 @ log_d)])
+    return float(_huber_over_delta(r, delta).sum()), grad
 
 
 @dataclass
@@ -436,7 +432,7 @@ def fit_loss_law(
     for theta0 in grid:
         res = minimize(
             _objective_and_grad, theta0, args=(log_n, log_d, log_l, delta), jac=True,
-            method="L-BFGS-B", options={"maxiter": 5000, "ftol": 1e-15, "gtol": 1e-10},
+            method="L-BFGS-B", options={"maxiter": 2000, "ftol": 1e-13, "gtol": 1e-9},
         )
         if best is None or res.fun < best.fun:
             best = res
@@ -529,21 +525,22 @@ def collect_runs(sweep_dir: Union[str, Path], params: str = "total") -> Tuple[Li
 
 
 def group_budgets(runs: Sequence[RunPoint], rel_tol: float = 0.15) -> List[Tuple[float, List[RunPoint]]]:
-    """IsoFLOP groups: by the recorded ``flop_budget`` if every run has one, else by FLOPs within rel_tol."""
-    if runs and all(r.budget is not None for r in runs):
-        groups: Dict[float, List[RunPoint]] = {}
-        for r in runs:
-            groups.setdefault(r.budget, []).append(r)
-        return sorted(groups.items())
+    """IsoFLOP groups: runs whose ``flop_budget`` (or, if any run lacks one, FLOPs) agree within rel_tol."""
+    use_budget = bool(runs) and all(r.budget is not None for r in runs)
+    key = (lambda r: r.budget) if use_budget else (lambda r: r.flops)
     out: List[Tuple[float, List[RunPoint]]] = []
     cur: List[RunPoint] = []
-    for r in sorted(runs, key=lambda r: r.flops):
-        if cur and r.flops > cur[0].flops * (1 + rel_tol):
-            out.append((float(np.exp(np.mean([math.log(x.flops) for x in cur]))), cur))
+
+    def close() -> None:
+        out.append((float(np.exp(np.mean([math.log(key(x)) for x in cur]))), list(cur)))
+
+    for r in sorted(runs, key=key):
+        if cur and key(r) > key(cur[0]) * (1 + rel_tol):
+            close()
             cur = []
         cur.append(r)
     if cur:
-        out.append((float(np.exp(np.mean([math.log(x.flops) for x in cur]))), cur))
+        close()
     return out
 
 

@@ -10,6 +10,8 @@ import logging
 import math
 import netrc
 import os
+import secrets
+import string
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -95,7 +97,8 @@ class Tracker:
 
         w = self.cfg.wandb
         if self.run_id is None:
-            self.run_id = wandb.util.generate_id()
+            alphabet = string.ascii_lowercase + string.digits  # W&B's own id alphabet
+            self.run_id = "".join(secrets.choice(alphabet) for _ in range(8))
         wandb_dir = Path(w.dir or self.output_dir)
         wandb_dir.mkdir(parents=True, exist_ok=True)
         self._wandb = wandb.init(

@@ -240,7 +240,11 @@ def run_launched(cmd: list[str], env_extra: dict | None = None, timeout: int = L
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # let the launchers stop their ranks first
+            proc.wait(timeout=5)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
         _kill_session(proc.pid)
         out = proc.communicate()[0]
         pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-6000:]}")

@@ -363,8 +363,11 @@ def test_truncated_and_corrupted_shards(tmp_path, files, tok_path):
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))
     PackedTokens(d, "train")
+    prepare_data(cfg(source=files["jsonl"], tokenizer=tok_path, prepared_dir=str(d)), VOCAB)
     with pytest.raises(DataError, match="train-00000.bin fails its sha256"):
         PackedTokens(d, "train", verify=True)
+    with pytest.raises(DataError, match="fails its sha256"):
+        prepare_data(cfg(source=files["jsonl"], tokenizer=tok_path, prepared_dir=str(d), verify=True), VOCAB)
     shard.write_bytes(bytes(data[:-2]))
     with pytest.raises(DataError, match=r"train-00000.bin is truncated"):
         PackedTokens(d, "train")

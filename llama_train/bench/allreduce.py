@@ -187,6 +187,7 @@ def run(args: argparse.Namespace) -> dict:
     impls: dict[str, Callable] = {backend: lambda t: dist.all_reduce(t)}
     if not args.no_ring:
         impls["ring"] = ring_all_reduce
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     gen = torch.Generator(device="cpu").manual_seed(1234 + rank)
     rows = []
     for nbytes in message_sizes(args, on_cuda):
@@ -225,7 +226,8 @@ def run(args: argparse.Namespace) -> dict:
             t = statistics.median(per_iter.cpu().tolist())
             algbw = nbytes / t / 1e9
             rows.append({"impl": name, "bytes": nbytes, "count": count, "dtype": args.dtype,
-                         "time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor})
+                         "time_us": t * 1e6, "time_us_min": min(per_iter.tolist()) * 1e6,
+                         "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor})
         del src, bufs
 
     import deepspeed
@@ -241,6 +243,9 @@ def run(args: argparse.Namespace) -> dict:
         "cpu_threads_per_rank": torch.get_num_threads() if not on_cuda else None,
         "gpu": torch.cuda.get_device_name(device) if on_cuda else None,
         "host": platform.node(), "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        # Other work on the host skews CPU timings; the 1-minute load average tells how much.
+        "loadavg_1m": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None],
         "command": repro,
     }
     return {"meta": meta, "results": rows}
@@ -257,8 +262,14 @@ def format_table(report: dict) -> str:
     lines = [
         f"all-reduce SUM, {meta['world_size']} ranks on {meta['nodes']} node(s), {meta['device']}, "
         f"backend={meta['backend']}, dtype={meta['dtype']}, median of {meta['iters']} "
-        f"(+{meta['warmup']} warmup); bandwidths in GB/s, busbw = algbw * {meta['bus_factor']:.3f}",
-        head, "-" * len(head)]
+        f"(+{meta['warmup']} warmup)",
+        f"bandwidths in GB/s (1e9 B/s), busbw = algbw * 2(n-1)/n = algbw * {meta['bus_factor']:.3f}"
+        + (f"; host load {meta['loadavg_1m'][0]:.1f} -> {meta['loadavg_1m'][1]:.1f} on {meta['cpu_count']} cpus"
+           if meta["device"] == "cpu" and None not in meta["loadavg_1m"] else ""),
+        ]
+    if meta["dtype"] in ("bfloat16", "float16") and "ring" in impls:
+        lines.append("note: the ring sums 16-bit inputs in fp32, so it moves twice the bytes shown")
+    lines += [head, "-" * len(head)]
     for nbytes in sorted({r["bytes"] for r in rows}):
         line = f"{fmt_bytes(nbytes):>8} {by[(impls[0], nbytes)]['count']:>11}"
         for name in impls:

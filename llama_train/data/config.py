@@ -48,7 +48,8 @@ class DataConfig:
     dtype: str = "auto"
     """Token file dtype: auto (uint16 if vocab <= 65535 else uint32), uint16 or uint32."""
     num_proc: int = 0
-    """Tokenization processes; 0 = all CPU cores (max 8), 1 = in-process."""
+    """Tokenization processes; 0 = auto (all cores, max 8; in-process for sources < 32 MB),
+    1 = in-process."""
     shard_tokens: int = 50_000_000
     """Tokens per shard file."""
     num_workers: int = 1
@@ -58,7 +59,7 @@ class DataConfig:
     max_documents: Optional[int] = None
     """Read at most this many documents of the source (quick experiments)."""
     verify: bool = False
-    """Check every shard's sha256 when opening it (slow for large data)."""
+    """prepare_data checks every shard's sha256 when it finds existing data (reads it all)."""
 
     def __post_init__(self) -> None:
         self.validate()

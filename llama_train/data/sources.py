@@ -118,6 +118,14 @@ class Source:
                 return None
         return min(n, self.cfg.max_documents) if self.cfg.max_documents else n
 
+    def approx_bytes(self) -> Optional[int]:
+        """Rough size of the text (to decide whether worker processes pay off); None if unknown."""
+        if self.kind == "builtin":
+            return sum(len(d) for d in builtin_corpus())
+        if self.kind == "local":
+            return sum(os.path.getsize(f) for f in self.files)
+        return None
+
     # --- loading ---------------------------------------------------------------------------
     def dataset(self):
         """The HF dataset (Dataset or IterableDataset) with the text column checked."""
@@ -134,7 +142,9 @@ class Source:
             kwargs: dict[str, Any] = {}
             if builder == "text":
                 kwargs["sample_by"] = cfg.text_sample_by
-                kwargs["keep_linebreaks"] = True
+                # line mode: the newline is replaced by the EOS every document gets; blank
+                # lines become empty documents (counted and skipped)
+                kwargs["keep_linebreaks"] = False
             what = f"local {builder} files from data.source={cfg.source!r}"
             empty = DataError(f"{what} hold no documents (the files are empty)")
             if all(os.path.getsize(f) == 0 for f in self.files):
