@@ -118,14 +118,14 @@ def inference_optimal(
     reference_tokens is given, reference + savings_vs_reference.
     """
     law = load_fit(fit)
+    if reference_tokens is not None and reference_params is None:
+        raise ScalingError("inference_optimal: reference_tokens needs reference_params (the model it trains)")
     given = [x is not None for x in (flops, reference_params, target_loss)]
     if sum(given) != 1:
         raise ScalingError(
             "inference_optimal: give exactly one of flops (compute-optimal reference), "
             "reference_params (+ optional reference_tokens) or target_loss"
         )
-    if reference_tokens is not None and reference_params is None:
-        raise ScalingError("inference_optimal: reference_tokens needs reference_params (the model it trains)")
     d_inf = float(inference_tokens)
     if not math.isfinite(d_inf) or d_inf < 0:
         raise ScalingError(f"inference_tokens={inference_tokens!r} must be a finite number >= 0")
@@ -431,7 +431,7 @@ def shape_for_params(
     *,
     count: str = "total",
     tie_embeddings: bool = False,
-    tolerance: float = 0.02,
+    tolerance: float = 0.05,
 ) -> "ModelArgs":
     """A LLaMA-shaped ``ModelArgs`` whose ``count_params(...)[count]`` is within ``tolerance`` of n_params.
 
@@ -571,7 +571,7 @@ def _cmd_compute_optimal(ns: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _cmd_inference_optimal(ns: argparse.Namespace) -> Dict[str, Any]:
-    if ns.flops is None and ns.reference_params is None and ns.loss is None:
+    if ns.flops is None and ns.reference_params is None and ns.loss is None and ns.reference_tokens is None:
         raise ScalingError("inference-optimal: pass --flops C, or --reference-params N [--reference-tokens D], or --loss L")
     res = inference_optimal(ns.flops, ns.inference_tokens, ns.fit, reference_params=ns.reference_params,
                             reference_tokens=ns.reference_tokens, target_loss=ns.loss)

@@ -184,7 +184,8 @@ def train(cfg: Config) -> Dict[str, Any]:
     if rt.is_main:
         Path(t.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(t.output_dir) / "config.yaml").write_text(OmegaConf.to_yaml(run_config))
-        _write_run_info(t.output_dir, n_params, model_args, plan, t.max_steps, fpt)
+        _write_run_info(t.output_dir, n_params, model_args, plan, t.max_steps, fpt,
+                        flop_budget=cfg.scaling.flops if cfg.scaling.mode != "none" else None)
         log.info("model: %s params (%s non-embedding); %d ranks x micro %d x accum %d = global "
                  "batch %d x %d tokens; ZeRO-%d %s on %s; peak %.3g FLOP/s",
                  f"{n_params['total']:,}", f"{n_params['non_embedding']:,}", rt.world_size,
@@ -372,6 +373,7 @@ def train(cfg: Config) -> Dict[str, Any]:
         log.info("sample: %r", sample)
         (Path(t.output_dir) / "sample.txt").write_text(sample + "\n")
         _write_run_info(t.output_dir, n_params, model_args, plan, t.max_steps, fpt,
+                        flop_budget=cfg.scaling.flops if cfg.scaling.mode != "none" else None,
                         final_val_loss=val_loss, final_step=step)
     tracker.finish()
     _shutdown(loader)
@@ -443,8 +445,9 @@ def generate_sample(engine, cfg: Config, tokenizer_path: str, rt) -> str:
     return text
 
 
-def _write_run_info(output_dir, n_params, model_args, plan, max_steps, fpt, **extra) -> None:
-    info = {"params": n_params, "model_args": asdict(model_args),
+def _write_run_info(output_dir, n_params, model_args, plan, max_steps, fpt, flop_budget=None,
+                    **extra) -> None:
+    info = {"params": n_params, "model_args": asdict(model_args), "flop_budget": flop_budget,
             "tokens": max_steps * plan.tokens_per_step, "global_batch": plan.global_batch,
             "seq_len": plan.seq_len, "max_steps": max_steps, "flops_per_token": fpt,
             "flops": fpt * max_steps * plan.tokens_per_step, **extra}
@@ -459,8 +462,7 @@ def _shutdown(loader) -> None:
     if close:
         close()
     if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        dist.barrier()  # the group itself is destroyed in main(), after every multirun job
 
 
 # ------------------------------------------------------------------------------------------------
@@ -530,7 +532,15 @@ def load_config(dcfg: DictConfig) -> Config:
 def main() -> None:
     sys.argv = [sys.argv[0]] + _strip_launcher_args(sys.argv[1:])
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
-    _hydra_main()
+    try:
+        _hydra_main()
+    finally:
+        # One process group serves all jobs of a --multirun sweep: DeepSpeed caches its groups,
+        # so it cannot be torn down and rebuilt between jobs in the same process.
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -152,6 +152,11 @@ def test_bench_sizes_and_units():
     assert cpu[0] == 1024 and cpu[-1] == 64 << 20 and all(b == 4 * a for a, b in zip(cpu, cpu[1:]))
     assert bench.message_sizes(args, on_cuda=True)[-1] == 1 << 30
     assert bench.message_sizes(bench.parse_args(["--sizes", "4,1K"]), on_cuda=False) == [4, 1024]
+    assert bench.parse_args(["--nccl-algo", "tree"]).nccl_algo == "Tree"
+    with pytest.raises(SystemExit, match="--nccl-algo.*unknown NCCL algorithm"):
+        bench.parse_args(["--nccl-algo", "Rign"])
+    with pytest.raises(SystemExit, match="--backend nccl needs --device cuda"):
+        bench.parse_args(["--device", "cpu", "--backend", "nccl"])
 
 
 # ---------------------------------------------------------------- launch scripts (no ranks started)

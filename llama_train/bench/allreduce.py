@@ -76,6 +76,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         raise SystemExit(f"--nprocs={args.nprocs}: must be >= 1")
     if args.sizes is not None:
         args.sizes = [parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
+    if args.nccl_algo is not None:
+        from llama_train.comm import normalize_nccl_algo
+        try:
+            args.nccl_algo = normalize_nccl_algo(args.nccl_algo)
+        except ValueError as e:
+            raise SystemExit(f"--nccl-algo: {e}")
+    if args.backend == "nccl" and args.device == "cpu":
+        raise SystemExit("--backend nccl needs --device cuda; use --backend gloo (or auto) on CPU")
     return args
 
 
@@ -285,7 +293,10 @@ def format_table(report: dict) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if not _under_launcher(args):
-        return relaunch(args)
+        rc = relaunch(args)
+        if rc:  # raise, so a dispatcher that ignores return values still exits non-zero
+            raise SystemExit(rc)
+        return 0
     report = run(args)
     import torch.distributed as dist
     if dist.get_rank() == 0:

@@ -1,0 +1,192 @@
+"""One rank of ``llama-bench memory``: train a few steps under a ZeRO stage, then count bytes.
+
+Run by the deepspeed launcher (``--module llama_train.bench._memory_worker``). The model and the
+engine are built exactly as ``llama-train`` builds them (``Transformer`` + ``engine.build_ds_config``
++ ``engine.initialize``). After one full step (so AdamW has allocated its state) and the forward and
+backward of a second (so gradients exist as well), every tensor storage reachable from the model's
+parameters and from the engine's optimizer is counted once (by storage, so views into DeepSpeed's
+flat buffers are not counted twice) and sorted into params / grads / fp32 master / Adam moments /
+buckets / other by where it was found. Peak RSS comes from ``getrusage`` (the whole process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+CATEGORIES = ("params", "grads", "fp32_master", "adam_moments", "buckets", "other")
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def classify(path: str) -> str:
+    """Category of a storage from the attribute path it was reached by."""
+    p = path.lower()
+    if p.startswith("module."):
+        return "grads" if p.endswith(".grad") else "params"
+    if p.startswith("master["):
+        return "grads" if p.endswith(".grad") else "fp32_master"
+    if ".state[" in p or ".state." in p or "exp_avg" in p:
+        return "adam_moments"
+    if "ipg" in p or "bucket" in p:
+        return "buckets"
+    if p.endswith(".grad") or "grad" in p:
+        return "grads"
+    if "fp32" in p or "single_partition" in p or "master" in p:
+        return "fp32_master"
+    if "bit16" in p or "fp16" in p or "lp_param" in p or "param" in p:
+        return "params"
+    return "other"
+
+
+class StorageCounter:
+    """Walks objects, recording each distinct tensor storage once (first path wins)."""
+
+    def __init__(self) -> None:
+        self.seen_storages: set = set()
+        self.seen_objects: set = set()
+        self.found: List[Tuple[str, int]] = []
+
+    def tensor(self, t, path: str) -> None:
+        import torch
+
+        if not torch.is_tensor(t) or t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        key = (st.data_ptr(), str(t.device))
+        if st.nbytes() > 0 and key not in self.seen_storages:
+            self.seen_storages.add(key)
+            self.found.append((path, st.nbytes()))
+        if t.grad is not None:
+            self.tensor(t.grad, path + ".grad")
+        ds_tensor = getattr(t, "ds_tensor", None)  # ZeRO-3: this rank's partition
+        if ds_tensor is not None:
+            self.tensor(ds_tensor, path + ".ds_tensor")
+
+    def walk(self, obj: Any, path: str, depth: int = 0) -> None:
+        import torch
+
+        if depth > 8 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            return
+        if torch.is_tensor(obj):
+            self.tensor(obj, path)
+            return
+        if id(obj) in self.seen_objects or isinstance(obj, torch.nn.Module):
+            return  # modules: parameters are counted from the model itself
+        self.seen_objects.add(id(obj))
+        if isinstance(obj, dict):
+            for i, (k, v) in enumerate(obj.items()):
+                key = k if isinstance(k, (str, int)) else i  # optimizer state is keyed by tensors
+                self.walk(v, f"{path}[{key}]", depth + 1)
+        elif isinstance(obj, (list, tuple, set)):
+            for i, v in enumerate(obj):
+                self.walk(v, f"{path}[{i}]", depth + 1)
+        elif type(obj).__module__.split(".")[0] in ("deepspeed", "torch") and hasattr(obj, "__dict__"):
+            if isinstance(obj, torch.distributed.ProcessGroup):
+                return
+            for k, v in vars(obj).items():
+                self.walk(v, f"{path}.{k}", depth + 1)
+
+    def totals(self) -> Dict[str, int]:
+        out = {c: 0 for c in CATEGORIES}
+        for path, n in self.found:
+            out[classify(path)] += n
+        return out
+
+
+def count_engine_bytes(engine) -> Dict[str, Any]:
+    """Per-category bytes this rank holds for the model and the optimizer, plus the largest
+    storages (path, bytes) so the categories can be checked by eye."""
+    c = StorageCounter()
+    for name, p in engine.module.named_parameters():
+        c.tensor(p, f"module.{name}")
+    # The tensors the inner torch optimizer updates, when they are not the module's own
+    # parameters, are DeepSpeed's fp32 master partitions (ZeRO 1-3).
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for gi, group in enumerate(getattr(inner, "param_groups", [])):
+        for pi, p in enumerate(group["params"]):
+            c.tensor(p, f"master[{gi}][{pi}]")
+    c.walk(engine.optimizer, "optimizer")
+    top = sorted(c.found, key=lambda x: -x[1])[:12]
+    return {"bytes": c.totals(), "largest": [[p, n] for p, n in top]}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="llama_train.bench._memory_worker")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--stage", type=int, required=True)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from llama_train import engine as eng
+    from llama_train.comm import CommConfig
+    from llama_train.config import DeepSpeedConfig, OptimConfig, TrainerConfig, resolve_batch
+    from llama_train.model import Transformer, count_params, load_preset
+    from llama_train.optim import param_groups
+
+    rt = eng.detect_runtime("cpu")
+    eng.init_distributed(rt, CommConfig())
+    rss_base = _rss()
+    margs = load_preset(args.preset)
+    ds = DeepSpeedConfig(zero_stage=args.stage, precision="fp32")
+    optim = OptimConfig()
+    plan = resolve_batch(TrainerConfig(seq_len=args.seq_len, micro_batch=args.micro_batch),
+                         rt.world_size)
+    ds_config = eng.build_ds_config(ds, optim, plan, rt.device_type)
+    torch.manual_seed(0)
+    model = Transformer(margs)  # as llama_train.train builds it
+    engine = eng.initialize(model, param_groups(model, optim), ds_config, None)
+    rss_init = _rss()
+    g = torch.Generator().manual_seed(rt.rank)
+    x = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), generator=g)
+    y = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), generator=g)
+
+    _, loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()  # AdamW state exists from here on
+    _, loss = engine(x, y)
+    engine.backward(loss)  # gradients (and their buckets) exist until the step
+    counted = count_engine_bytes(engine)
+    opt_bytes = eng.opt_state_bytes(engine)
+    engine.step()
+    persistent = [p for p in engine.module.parameters() if getattr(p, "ds_persist", False)]
+    result = {
+        "rank": rt.rank, "world_size": rt.world_size, "stage": args.stage, "preset": args.preset,
+        "n_params": count_params(margs)["total"],
+        **counted,
+        "opt_state_bytes_engine_helper": opt_bytes,
+        "zero3_persistent_params": {"count": len(persistent),
+                                    "numel": sum(p.ds_numel for p in persistent)},
+        "ds_config_zero": ds_config["zero_optimization"],
+        "rss_baseline": rss_base, "rss_after_init": rss_init, "rss_end": _rss(),
+        "rss_peak": _peak_rss(),
+        "loss": float(loss.item()),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rt.rank}.json").write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""`llama-bench train` and `llama-bench memory` on the tiny model: real runs, checked for shape and
+self-consistency (speed thresholds belong to benchmarks, not tests)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+from llama_train.bench import memory as mem_bench
+from llama_train.bench import train as train_bench
+from llama_train.bench._memory_worker import classify
+
+TINY = ["--preset", "tiny", "--seq-len", "64", "--micro-batch", "2", "--steps", "3", "--warmup",
+        "1", "--rounds", "2", "--threads", "1", "--device", "cpu",
+        "--override", "data.max_documents=600", "--override", "data.num_proc=1",
+        "--override", "data.num_workers=0"]
+
+
+@pytest.mark.slow
+def test_train_bench_ab_report_is_consistent(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    train_bench.main([*TINY, "--json", str(out), "--work-dir", str(tmp_path / "runs")])
+    table = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert "reproduce: llama-bench train --preset tiny" in table and r["command"] in table
+    s = r["settings"]
+    assert (s["rounds"], s["steps"], s["tokens_per_step"], s["precision"]) == (2, 3, 128, "fp32")
+    fpt = r["flops_per_token"]
+    assert fpt > 0 and len(r["peak_flops"]["square_1024_per_round"]) == 2
+    peak = r["peak_flops"]["square_1024"]
+    for side in ("ours", "hf"):
+        x = r[side]
+        st = x["step_time_s"]
+        assert len(st["per_round_median"]) == 2
+        assert 0 < st["min"] <= st["median"] <= st["max"]
+        assert x["tokens_per_s"] == pytest.approx(128 / st["median"])
+        assert x["mfu"] == pytest.approx(fpt * x["tokens_per_s"] / peak)
+        assert x["mfu"] > 0 and x["mfu_vs_model_shapes"] > 0
+        assert 0 <= x["data_wait_share"] < 1  # the wait is part of the step
+        assert math.isfinite(x["loss_step1"]) and x["mem_gb"] > 0
+    q = r["ratio_ours_over_hf"]
+    assert q["tokens_per_s"] == pytest.approx(r["ours"]["tokens_per_s"] / r["hf"]["tokens_per_s"])
+    assert len(q["paired_per_round"]) == 2 and all(v > 0 for v in q["paired_per_round"])
+    # same initial weights, same first batch: the two models start from the same loss
+    assert r["loss_step1_abs_diff"] < 1e-3, (r["ours"]["loss_step1"], r["hf"]["loss_step1"])
+    assert "AdamW" in r["hf"]["optimizer"]
+    assert set(r["loader_alone_s_per_batch"]) == {"workers=0"}
+    # the runs really ran the configured steps (per-round files kept in --work-dir)
+    rows = [json.loads(l) for l in (tmp_path / "runs" / "ours-0" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "step_time_s" in row] == [1, 2, 3, 4]
+
+
+def test_train_bench_rejects_bad_options(capsys):
+    with pytest.raises(SystemExit, match="--rounds=0 must be >= 1"):
+        train_bench.parse_args(["--rounds", "0"])
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        train_bench.parse_args(["--override", "data.num_workers"])
+    with pytest.raises(SystemExit, match="--stages"):
+        mem_bench.parse_args(["--stages", "4"])
+
+
+def test_model_matmul_mix_covers_every_matmul_weight():
+    """The shaped-peak mix has one entry per matmul weight: its FLOPs are the 6*N_matmul part
+    of flops_per_token."""
+    from llama_train.model import flops_per_token, load_preset
+
+    args = load_preset("small")
+    n = sum(fin * fout * count for fin, fout, count in train_bench.linear_shapes(args))
+    attention = 12 * args.n_layers * args.dim * 256
+    assert 6 * n + attention == flops_per_token(args, 256)
+
+
+def test_storage_paths_are_classified():
+    assert classify("module.layers.0.attention.wq.weight") == "params"
+    assert classify("module.layers.0.attention.wq.weight.grad") == "grads"
+    assert classify("master[0][0]") == "fp32_master"
+    assert classify("optimizer.optimizer.state[3].exp_avg") == "adam_moments"
+    assert classify("optimizer.ipg_buffer[0]") == "buckets"
+    assert classify("optimizer.grads_in_partition[0]") == "grads"
+    assert classify("optimizer.bit16_groups_flat[0]") == "params"
+
+
+@pytest.mark.slow
+def test_memory_bench_zero3_matches_the_plan(tmp_path, capsys):
+    out = tmp_path / "mem.json"
+    mem_bench.main(["--preset", "tiny", "--stages", "3", "--nprocs", "2", "--json", str(out)])
+    table = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert "reproduce: llama-bench memory" in table
+    (row,) = r["stages"]
+    assert row["stage"] == 3
+    # fp32 master partition + both Adam moments, partitioned over 2 ranks: within 10% of the plan
+    assert row["optimizer_vs_analytic"] == pytest.approx(1.0, abs=0.10), row
+    assert row["measured"]["adam_moments"] == pytest.approx(8 * r["n_params"] / 2, rel=0.10)
+    assert row["rss_peak"] > row["rss_baseline"] > 0

@@ -1,0 +1,37 @@
+"""Under the deepspeed launcher: the optimizer-state bytes DeepSpeed really holds per rank for
+ZeRO 1, 2 and 3 (fp32, CPU), next to llama-plan model-info's analytic figure. Prints JSON lines."""
+
+import json
+import sys
+
+import torch
+
+sys.argv = [a for a in sys.argv if not a.startswith("--local_rank")]
+
+from llama_train import engine as eng  # noqa: E402
+from llama_train.comm import CommConfig  # noqa: E402
+from llama_train.config import BatchPlan, DeepSpeedConfig, OptimConfig  # noqa: E402
+from llama_train.model import Transformer, load_preset  # noqa: E402
+from llama_train.optim import param_groups  # noqa: E402
+from llama_train.scaling import model_memory  # noqa: E402
+
+rt = eng.detect_runtime("cpu")
+eng.init_distributed(rt, CommConfig())
+args = load_preset("tiny")
+for stage in (1, 2, 3):
+    torch.manual_seed(0)
+    model = Transformer(args)
+    plan = BatchPlan(rt.world_size, 1, 1, rt.world_size, 16)
+    cfg = eng.build_ds_config(DeepSpeedConfig(zero_stage=stage), OptimConfig(), plan, "cpu")
+    engine = eng.initialize(model, param_groups(model, OptimConfig()), cfg, None)
+    x = torch.randint(0, args.vocab_size, (1, 17))
+    _, loss = engine(x[:, :-1], x[:, 1:])
+    engine.backward(loss)
+    engine.step()  # Adam moments exist only after the first step
+    measured = eng.opt_state_bytes(engine)
+    analytic = model_memory(args, stage, rt.world_size, dtype="fp32")["optimizer_states"]
+    print(json.dumps({"rank": rt.rank, "stage": stage, "measured": measured,
+                      "analytic": analytic}), flush=True)
+    engine.destroy()
+    del engine, model
+torch.distributed.destroy_process_group()
