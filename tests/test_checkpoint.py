@@ -82,8 +82,11 @@ def test_sigterm_saves_and_resumes(uninterrupted, runs):
         assert wait_for(lambda: max(losses_safe(out), default=0) >= 3, timeout=240,
                         interval=0.05), \
             tail(runs / "sigterm.log")
-        os.kill(proc.pid, signal.SIGTERM)  # the launcher forwards it to every rank
-        proc.wait(timeout=120)
+        # like SLURM or Kubernetes on preemption: SIGTERM to every process of the job
+        os.killpg(proc.pid, signal.SIGTERM)
+        # the ranks finish their step and save; the launcher gives them 30 s before SIGKILL
+        wait_for(lambda: find_latest(out / "checkpoints")[0] is not None, timeout=60)
+        proc.wait(timeout=60)
     latest, _ = find_latest(out / "checkpoints")
     assert latest is not None, tail(runs / "sigterm.log")
     stopped_at = int(latest.name.split("_")[1])

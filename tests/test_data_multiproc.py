@@ -132,3 +132,33 @@ def test_deepspeed_ranks_prepare_and_split_the_stream(tmp_path):
         want = next(it)[0]
         got = torch.cat([r["x"][step * 2 : step * 2 + 2].reshape(-1, 16) for r in ranks])
         assert torch.equal(got, want), step
+
+
+UNGUARDED = textwrap.dedent("""
+    import sys
+    from llama_train.data import DataConfig, DataError, prepare_data
+    # no `if __name__ == "__main__":` guard: spawned workers re-import this file
+    try:
+        prepare_data(DataConfig(source=sys.argv[1], val_fraction=0.1, num_proc=2,
+                                prepared_dir=sys.argv[2]), 512)
+    except DataError as e:
+        print("DataError:", e)
+        sys.exit(3)
+""")
+
+
+@pytest.mark.slow
+def test_unguarded_script_with_workers_fails_clearly_not_deadlocks(tmp_path):
+    src = tmp_path / "docs.jsonl"
+    write_corpus(src)
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    procs = _run_group([[sys.executable, str(script), str(src), str(tmp_path / "prep")]], env)
+    try:
+        out, err = procs[0].communicate(timeout=120)
+    finally:
+        _kill(procs)
+    assert procs[0].returncode == 3, out + err
+    assert "__main__" in out and "num_proc=1" in out
+    assert not (tmp_path / "prep").exists()

@@ -109,3 +109,23 @@ def test_plot(baseline, tmp_path):
     subprocess.run([sys.executable, "-m", "llama_train.plot", str(baseline), "--out", str(png)],
                    check=True, cwd=REPO)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+# An integration matrix over the combinations users switch on together. fp32 cases must match
+# the baseline like the ZeRO stages do; bf16 rounds activations and gradients to 8 mantissa bits
+# (relative error ~4e-3 per value, largely averaging out in the mean loss), so it gets 2e-2.
+MATRIX = [
+    (["deepspeed.zero_stage=3", "model.activation_checkpointing=true", "trainer.micro_batch=1",
+      "trainer.global_batch=4"], TOL),
+    (["deepspeed.zero_stage=1", "deepspeed.precision=bf16"], 2e-2),
+    (["deepspeed.zero_stage=3", "deepspeed.offload_optimizer=true",
+      "deepspeed.offload_params=true"], TOL),
+]
+
+
+@pytest.mark.parametrize("overrides,tol", MATRIX, ids=["zero3-actckpt-accum2", "zero1-bf16",
+                                                      "zero3-offload"])
+def test_integration_matrix(overrides, tol, baseline, runs):
+    out = runs / ("matrix-" + "-".join(o.split("=")[1] for o in overrides))
+    train(out, overrides, timeout=600)  # the first CPU-Adam use JIT-builds DeepSpeed's op
+    _close(losses(out), losses(baseline), tol)

@@ -35,6 +35,20 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _cpu_now() -> float:
+    """CPU seconds of this process plus its finished children (the tokenization workers)."""
+    import resource
+
+    ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + ch.ru_utime + ch.ru_stime
+
+
+def _timed_cpu(fn: Callable[[], object]) -> tuple[float, float]:
+    c0, t0 = _cpu_now(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, _cpu_now() - c0
+
+
 def _cold_prepare(vocab: int, workdir: Path) -> dict:
     """`llama-data prepare` of the default data in a fresh process and an empty cache."""
     cache = Path(tempfile.mkdtemp(dir=workdir, prefix="cold-"))
@@ -107,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from llama_train.data import DataConfig, Tokenizer, TrainLoader, builtin_corpus, prepare_data, train_tokenizer
 
+    load0 = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="llama-bench-data-"))
     os.environ["LLAMA_TRAIN_CACHE"] = str(work / "cache")
     res: dict = {"command": cmd, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
@@ -135,16 +150,23 @@ def main(argv: list[str] | None = None) -> dict:
     src_bytes = nbytes * args.scale
     res["prepare_source"] = {"file": "built-in corpus x %d as .jsonl" % args.scale, "MB": src_bytes / 1e6}
     times: dict[str, list[float]] = {"sentencepiece": [], "prepare_np1": [], "prepare_np2": []}
+    cpu: dict[str, list[float]] = {k: [] for k in times}
     ntokens = sum(len(x) + 1 for x in tok.sp.encode(docs)) * args.scale
+    import datasets  # noqa: F401 - a one-off import (~2 s) that is not throughput
+
     for r in range(args.repeats):
-        times["sentencepiece"].append(_timed(lambda: tok.sp.encode(big)))
+        wall, c = _timed_cpu(lambda: tok.sp.encode(big))
+        times["sentencepiece"].append(wall)
+        cpu["sentencepiece"].append(c)
         for np_ in (1, 2):
             cfg = DataConfig(source=str(src), tokenizer=tok_path, num_proc=np_, val_fraction=0.05,
                              streaming=True, prepared_dir=str(work / f"prep-{r}-{np_}"))
-            times[f"prepare_np{np_}"].append(_timed(lambda: prepare_data(cfg, args.vocab_size)))
+            wall, c = _timed_cpu(lambda: prepare_data(cfg, args.vocab_size))
+            times[f"prepare_np{np_}"].append(wall)
+            cpu[f"prepare_np{np_}"].append(c)
     res["prepare"] = {
         k: {"median_s": _median(v), "MB_per_s": src_bytes / 1e6 / _median(v),
-            "tokens_per_s": ntokens / _median(v), "all_s": v}
+            "tokens_per_s": ntokens / _median(v), "cpu_s": _median(cpu[k]), "all_s": v}
         for k, v in times.items()
     }
     loader_cfg = DataConfig(source="builtin", tokenizer=tok_path, num_proc=1, val_fraction=0.05,
@@ -170,8 +192,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # --- report -----------------------------------------------------------------------------
     p = res["prepare"]
-    print(f"machine: {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; medians of "
-          f"{args.repeats} interleaved repeats")
+    res["loadavg"] = {"start": load0, "end": os.getloadavg()}
+    print(f"machine: {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load average "
+          f"{load0[0]:.1f} -> {res['loadavg']['end'][0]:.1f}; medians of {args.repeats} interleaved repeats")
     print(f"built-in corpus: {len(docs)} documents, {nbytes / 1e6:.2f} MB "
           f"(vocab {tok.vocab_size}); build {res['corpus_build_s']:.2f}s, tokenizer training "
           f"{res['tokenizer_train_s']:.2f}s")
@@ -180,10 +203,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"cold `llama-data prepare` (fresh process, empty cache): {c['wall_s']:.1f}s wall "
               f"(tokenizer {c['tokenizer_s']:.1f}s, tokenize+write {c['tokenize_write_s']:.1f}s)")
     print(f"tokenize {res['prepare_source']['file']} ({src_bytes / 1e6:.1f} MB, {ntokens:,} tokens):")
-    print(f"{'':34s} {'median s':>9s} {'MB/s':>7s} {'tokens/s':>11s}")
+    print(f"{'':34s} {'wall s':>8s} {'MB/s':>7s} {'tokens/s':>11s} {'CPU s':>7s}")
     for k, label in (("sentencepiece", "plain sentencepiece, 1 process"),
                      ("prepare_np1", "prepare_data num_proc=1"), ("prepare_np2", "prepare_data num_proc=2")):
-        print(f"{label:34s} {p[k]['median_s']:9.3f} {p[k]['MB_per_s']:7.2f} {p[k]['tokens_per_s']:11,.0f}")
+        print(f"{label:34s} {p[k]['median_s']:8.3f} {p[k]['MB_per_s']:7.2f} {p[k]['tokens_per_s']:11,.0f} "
+              f"{p[k]['cpu_s']:7.2f}")
     lo = res["loader"]
     print(f"TrainLoader {B}x{L}: {lo['loader_w0']['median_ms']:.2f} ms/batch (0 workers), "
           f"{lo['loader_w1']['median_ms']:.2f} ms/batch (1 worker, prefetched)")

@@ -53,7 +53,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = N
     """Sum ``tensor`` over all ranks of ``group`` in place (like ``dist.all_reduce``) and return it.
 
     Any shape, contiguity and numel (including numel < world size); integer dtypes are exact,
-    fp16/bf16 accumulate in fp32.
+    fp16/bf16 accumulate in fp32. Each rank sends 2(n-1)/n of the tensor's bytes in 2(n-1) steps.
     """
     if tensor.dtype == torch.bool or tensor.is_complex():
         raise TypeError(f"ring_all_reduce sums real numbers; got dtype {tensor.dtype}")

@@ -182,7 +182,10 @@ class TrainLoader:
         self.seq_len, self.seed = int(seq_len), int(seed)
         self.global_batch, self.micro_batch = int(global_batch), int(micro_batch)
         self.dp_rank, self.dp_world = int(dp_rank), int(dp_world)
-        self.fingerprint = self.tokens.meta["fingerprint"]
+        # identity of the token stream itself (not of paths or mtimes): the same data prepared
+        # elsewhere, or with another shard size, resumes exactly
+        info = self.tokens.meta["splits"][split]
+        self.fingerprint = info.get("sha256") or self.tokens.meta["fingerprint"]
         self.consumed_samples = 0
         self._windows = _Windows(self.tokens, self.seq_len, self.seed)
         self._sampler = _RankSampler(self.global_batch, self.micro_batch, self.dp_rank, self.dp_world)
@@ -195,6 +198,7 @@ class TrainLoader:
             pin_memory=pin,
             persistent_workers=num_workers > 0,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            worker_init_fn=_ignore_stop_signals if num_workers > 0 else None,
         )
         self._generation = 0
 
@@ -331,3 +335,16 @@ def val_batches(prepared_dir, seq_len: int, batch_size: int, max_batches: Option
                 dp_rank: int = 0, dp_world: int = 1) -> ValBatches:
     """Validation (x, y) batches for one rank; see ValBatches."""
     return ValBatches(prepared_dir, seq_len, batch_size, max_batches, dp_rank, dp_world)
+
+
+def _ignore_stop_signals(_worker_id: int) -> None:
+    """Loader workers leave SIGTERM/SIGINT to the trainer.
+
+    The deepspeed launcher forwards a stop signal to the whole process tree; if the workers died
+    of it, the trainer's next batch would raise before it could finish the step and save. The
+    trainer shuts its workers down itself, and they exit with their parent in any case.
+    """
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -35,7 +35,7 @@ from .config import DataConfig
 from .errors import DataError
 from .meta import FORMAT, META_FILE, TOKENIZER_FILE, VERSION, read_meta
 from .sources import Source, open_source
-from .tokenizer import Tokenizer, file_sha256, train_tokenizer
+from .tokenizer import Tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -134,24 +134,32 @@ def _encoded_chunks(source: Source, model_path: str, add_bos: bool, dtype: str, 
         return
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     # spawn, not fork: the caller may already run threads (torch, tqdm, HF) that fork would copy
     # mid-lock; the workers import only numpy + sentencepiece.
-    with ProcessPoolExecutor(
-        max_workers=num_proc,
-        mp_context=mp.get_context("spawn"),
-        initializer=_init_worker,
-        initargs=(model_path, add_bos, dtype),
-    ) as pool:
-        pending: deque = deque()
-        for texts in batches:
-            pending.append((pool.submit(_encode_chunk, texts), len(texts)))
-            if len(pending) >= 2 * num_proc:
+    try:
+        with ProcessPoolExecutor(
+            max_workers=num_proc,
+            mp_context=mp.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(model_path, add_bos, dtype),
+        ) as pool:
+            pending: deque = deque()
+            for texts in batches:
+                pending.append((pool.submit(_encode_chunk, texts), len(texts)))
+                if len(pending) >= 2 * num_proc:
+                    fut, n = pending.popleft()
+                    yield fut.result(), n
+            while pending:
                 fut, n = pending.popleft()
                 yield fut.result(), n
-        while pending:
-            fut, n = pending.popleft()
-            yield fut.result(), n
+    except BrokenProcessPool as e:
+        raise DataError(
+            f"a tokenization worker process died ({e}). Common causes: the main script has no "
+            "`if __name__ == '__main__':` guard (worker processes re-import it), or out of "
+            "memory. Set data.num_proc=1 to tokenize in-process"
+        ) from e
 
 
 class ShardWriter:
@@ -165,6 +173,7 @@ class ShardWriter:
         self._f = None
         self._sha = None
         self._n = 0
+        self._split_sha = hashlib.sha256()  # of the whole token stream: shard-layout independent
 
     def _open(self) -> None:
         name = f"{self.split}-{len(self.shards):05d}.bin"
@@ -191,6 +200,7 @@ class ShardWriter:
             buf = tokens[:take].tobytes()
             self._f.write(buf)
             self._sha.update(buf)
+            self._split_sha.update(buf)
             self._n += take
             tokens = tokens[take:]
             if self._n >= self.shard_tokens:
@@ -201,6 +211,7 @@ class ShardWriter:
         return {
             "documents": self.documents,
             "tokens": sum(s["tokens"] for s in self.shards),
+            "sha256": self._split_sha.hexdigest(),
             "shards": self.shards,
         }
 
@@ -303,6 +314,16 @@ def prepare_data(cfg: Any, vocab_size: Optional[int] = None) -> PreparedData:
     that size is trained); when cfg.tokenizer is given it must match the tokenizer's size.
     Safe to call from every rank at once: one prepares, the others wait on the lock.
     """
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # A spawned tokenization worker is re-importing a main script that calls prepare_data at
+        # import time: it would wait forever on the lock its own parent holds.
+        raise DataError(
+            "prepare_data was called while a worker process was importing the main script: put "
+            "the script's code under `if __name__ == '__main__':` (needed for num_proc > 1), or "
+            "set data.num_proc=1"
+        )
     cfg = DataConfig.from_any(cfg)
     cfg.validate()
     source = open_source(cfg)  # resolves local files; reads nothing, touches no network
