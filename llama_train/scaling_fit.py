@@ -565,6 +565,10 @@ def plot_isoflops(runs: Sequence[RunPoint], law: LossLaw, out: Union[str, Path])
         best = min(members, key=lambda r: r.val_loss)
         ax2.scatter([budget], [best.n_params], color=color, zorder=3)
     ax1.set_xscale("log")
+    losses = [r.val_loss for r in runs]
+    if losses:  # frame the measured points; a poorly constrained fit may shoot off the chart
+        span = max(losses) - min(losses) or 1.0
+        ax1.set_ylim(min(losses) - 0.5 * span, max(losses) + 0.5 * span)
     ax1.set_xlabel("parameters N")
     ax1.set_ylabel("final validation loss")
     ax1.set_title("IsoFLOP curves (points: runs, lines: fit, *: fitted optimum)")
@@ -581,7 +585,7 @@ def plot_isoflops(runs: Sequence[RunPoint], law: LossLaw, out: Union[str, Path])
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=80)
     plt.close(fig)
     return out
 
