@@ -14,10 +14,18 @@ Layout under ``<output_dir>/checkpoints``::
 
 A checkpoint counts only if its directory has the final name and its manifest verifies, so a
 save cut by ``kill -9`` or a full disk is never picked up, and a corrupted one is skipped.
+A save that fails on any rank fails on all of them, removes its partial directory and leaves the
+``latest`` hint alone.
+
+Untrusted files: the manifest's sha256 is checked before anything in a checkpoint is unpickled,
+and every ``torch.load`` of a checkpoint (DeepSpeed's own included) runs with torch's restricted
+``weights_only`` unpickler, allowing only three plain DeepSpeed value classes
+(:func:`restricted_torch_load`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -28,7 +36,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -95,6 +103,87 @@ def _fsync_tree(root: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _hold_io_errors(engine, held: List[BaseException]) -> Iterator[None]:
+    """Around ``engine.save_checkpoint``: DeepSpeed's file writes (its checkpoint engine's
+    ``save``/``makedirs`` and the copy of its recovery scripts) record their exception in
+    ``held`` instead of raising, and write nothing after the first one, while DeepSpeed's
+    barriers still run on every rank."""
+    targets = [(getattr(engine, "checkpoint_engine", None), "save"),
+               (getattr(engine, "checkpoint_engine", None), "makedirs"),
+               (engine, "_copy_recovery_script")]
+    patched = []
+    for obj, name in targets:
+        fn = getattr(obj, name, None) if obj is not None else None
+        if fn is None or name in vars(obj):
+            continue
+
+        def guarded(*args, _fn=fn, **kwargs):
+            if held:
+                return None
+            try:
+                return _fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - reported after DeepSpeed returns
+                held.append(e)
+                return None
+
+        setattr(obj, name, guarded)  # an instance attribute shadows the method
+        patched.append((obj, name))
+    try:
+        yield
+    finally:
+        for obj, name in patched:
+            delattr(obj, name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Untrusted checkpoint files: tensors only, never arbitrary pickled objects
+
+
+def _deepspeed_safe_globals() -> List[Any]:
+    """The non-tensor classes DeepSpeed pickles into its checkpoint files (ZeRO 0-3, fp32/bf16/
+    fp16, with or without offload): plain value holders, safe to rebuild."""
+    out: List[Any] = []
+    for module, names in (("deepspeed.runtime.zero.config", ["ZeroStageEnum"]),
+                          ("deepspeed.utils.tensor_fragment", ["fragment_address"]),
+                          ("deepspeed.runtime.fp16.loss_scaler",
+                           ["LossScaler", "DynamicLossScaler"])):
+        try:
+            mod = __import__(module, fromlist=names)
+        except ImportError:
+            continue
+        out += [getattr(mod, n) for n in names if hasattr(mod, n)]
+    return out
+
+
+@contextlib.contextmanager
+def restricted_torch_load() -> Iterator[None]:
+    """Inside: every ``torch.load`` (DeepSpeed's included, which asks for ``weights_only=False``)
+    uses torch's restricted unpickler, extended only by :func:`_deepspeed_safe_globals`. A file
+    that smuggles in any other object fails to load instead of running code."""
+    real_load = torch.load
+    allowed = _deepspeed_safe_globals()
+
+    def load(*args, **kwargs):
+        kwargs["weights_only"] = True
+        with torch.serialization.safe_globals(allowed):
+            return real_load(*args, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = real_load
 
 
 def write_manifest(ckpt: Path, checksums: bool) -> Dict[str, Any]:
@@ -171,6 +260,9 @@ class CheckpointManager:
         and the earlier checkpoints are left untouched."""
         import torch.distributed as dist
 
+        from llama_train.faults import FaultPlan
+
+        faults = FaultPlan.from_env()
         name = f"step_{step:08d}"
         final, tmp = self.root / name, self.root / f".tmp-{name}"
         error: Optional[str] = None
@@ -179,16 +271,25 @@ class CheckpointManager:
                 self.root.mkdir(parents=True, exist_ok=True)
                 if tmp.exists():
                     shutil.rmtree(tmp)
+                faults.check_mkdir(step, self.rank, tmp)
                 tmp.mkdir()
         except OSError as e:
             error = f"rank 0 could not create {tmp}: {e}"
         error = _agree(error)
         if error is None:
             try:
-                engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False,
-                                       client_state=_universal_info())
-                (tmp / "ranks").mkdir(exist_ok=True)
-                torch.save(rank_state, tmp / "ranks" / f"rank_{self.rank:05d}.pt")
+                held: List[BaseException] = []
+                with faults.failing_writes(step, self.rank):
+                    # DeepSpeed's save has barriers between its writes: a write that raised on
+                    # one rank would leave the ranks in different collectives. Hold the error
+                    # until DeepSpeed returns, so all ranks reach the agreement below together.
+                    with _hold_io_errors(engine, held):
+                        engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False,
+                                               client_state=_universal_info())
+                    if held:
+                        raise held[0]
+                    (tmp / "ranks").mkdir(exist_ok=True)
+                    torch.save(rank_state, tmp / "ranks" / f"rank_{self.rank:05d}.pt")
             except Exception as e:  # noqa: BLE001 - disk full, permissions, ...
                 error = f"rank {self.rank}: {type(e).__name__}: {e}"
             error = _agree(error)
@@ -202,9 +303,7 @@ class CheckpointManager:
                 if final.exists():  # an older run's checkpoint of the same step
                     shutil.rmtree(final)
                 os.rename(tmp, final)
-                latest_tmp = self.root / ".latest.tmp"
-                latest_tmp.write_text(name + "\n")
-                os.replace(latest_tmp, self.root / "latest")
+                _fsync_dir(self.root)
             except Exception as e:  # noqa: BLE001
                 error = f"rank 0: {type(e).__name__}: {e}"
         error = _agree(error)
@@ -212,12 +311,21 @@ class CheckpointManager:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             previous, _ = find_latest(self.root, checksums=False)
+            left = " (could not remove it: remove it by hand)" if tmp.exists() else ""
             raise CheckpointError(
-                f"saving checkpoint {final} failed ({error}). Earlier checkpoints are intact; "
-                f"the newest is {previous or 'none'}. Free space or fix permissions in "
-                f"{self.root} and resume (trainer.resume=auto)."
+                f"saving checkpoint {final} failed ({error}){_space_note(self.root, previous)}. "
+                f"The partial save {tmp} was removed{left}; earlier checkpoints are intact, the "
+                f"newest is {previous or 'none'}. Free space or fix permissions in {self.root}, "
+                f"then relaunch: it resumes from the newest (trainer.resume=auto)."
             )
         if self.rank == 0:
+            try:  # only a hint (the scan decides): failing to update it loses nothing
+                latest_tmp = self.root / ".latest.tmp"
+                latest_tmp.write_text(name + "\n")
+                os.replace(latest_tmp, self.root / "latest")
+            except OSError as e:
+                log.warning("checkpoint %s is complete but the 'latest' hint was not updated: %s",
+                            final, e)
             self._prune()
         dist.barrier()
         return final
@@ -268,8 +376,9 @@ class CheckpointManager:
     def load(self, engine, ckpt: Path, universal: bool) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         """Restore engine (weights, optimizer, scheduler) and return (trainer_state, rank_state)."""
         tag = UNIVERSAL_TAG if universal else DS_TAG
-        load_path, _ = engine.load_checkpoint(str(ckpt), tag=tag, load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+        with restricted_torch_load():
+            load_path, _ = engine.load_checkpoint(str(ckpt), tag=tag, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
         if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load {ckpt}/{tag}")
         state = read_state(ckpt)
@@ -298,8 +407,9 @@ def prepare_universal(ckpt: Path, rank: int) -> Path:
     if rank == 0 and not (out / "zero").is_dir():
         tmp = ckpt / ".universal.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-               str(ckpt / DS_TAG), "--output_folder", str(tmp), "--num_extract_workers", "1",
+        cmd = [sys.executable, "-c", "from llama_train.checkpoint import _ds_to_universal_main; "
+               "_ds_to_universal_main()", "--input_folder", str(ckpt / DS_TAG),
+               "--output_folder", str(tmp), "--num_extract_workers", "1",
                "--num_merge_workers", "1"]
         log.info("converting %s to a universal checkpoint for a new world size", ckpt)
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -311,6 +421,28 @@ def prepare_universal(ckpt: Path, rank: int) -> Path:
     if error:
         raise CheckpointError(error)
     return out
+
+
+def _ds_to_universal_main() -> None:
+    """DeepSpeed's ds_to_universal, with its torch.load calls restricted (see
+    :func:`restricted_torch_load`); its worker processes are forked and inherit that."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    with restricted_torch_load():
+        ds_to_universal.main(ds_to_universal.parse_arguments())
+
+
+def _space_note(root: Path, previous: Optional[Path]) -> str:
+    """Free space beside the error: a full disk often surfaces as an obscure write error."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return ""
+    need = sum(p.stat().st_size for p in previous.rglob("*") if p.is_file()) if previous else 0
+    note = f"; {free / 2**20:.1f} MiB free on the filesystem of {root}"
+    if need and free < need:
+        note += f", less than one checkpoint ({need / 2**20:.1f} MiB): the disk is full"
+    return note
 
 
 def _agree(error: Optional[str]) -> Optional[str]:
@@ -353,11 +485,13 @@ def load_consolidated(ckpt_dir: str):
     args = ModelArgs(**json.loads((path / "model_args.json").read_text()))
     if state.get("zero_stage", 0) == 0:
         files = sorted((path / DS_TAG).glob("mp_rank_*_model_states.pt"))
-        sd = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+        with restricted_torch_load():
+            sd = torch.load(files[0], map_location="cpu")["module"]
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DS_TAG)
+        with restricted_torch_load():
+            sd = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DS_TAG)
     sd = {k.removeprefix("module.").replace("_orig_mod.", ""): v.float() for k, v in sd.items()}
     tok = path / "tokenizer.model"
     return args, sd, (str(tok) if tok.exists() else None)

@@ -73,7 +73,9 @@ class TrainerConfig:
     max_rollbacks: int = 3
     verify_checksums: bool = True  # sha256 of checkpoint files on save and before resume
     fail_at_step: Optional[int] = None  # testing: os._exit at this step (fault injection)
-    nan_at_steps: List[int] = field(default_factory=list)  # testing: inject a NaN loss
+    # testing: inject a NaN loss into these global batches of the data stream (1-based; equal to
+    # the step number until a rollback skips data)
+    nan_at_steps: List[int] = field(default_factory=list)
 
 
 @dataclass

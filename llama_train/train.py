@@ -5,17 +5,25 @@ forward/backward, step, log, eval, checkpoint} -> final checkpoint and a text sa
 
 Works unchanged under the ``deepspeed`` launcher (its ``--local_rank=N`` is taken off argv before
 Hydra parses it) and as a plain single process.
+
+Faults (docs/reliability.md): a step with a non-finite loss or gradient is skipped (not applied);
+``trainer.max_bad_steps`` of them in a row, a loss spike or a non-finite step that was applied
+roll back to the newest checkpoint of this run and skip the data window that caused it. Exit
+codes: 2 bad config or data, 3 checkpoint I/O, 4 the fault policy gave up, 5 a rank was lost.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -100,9 +108,54 @@ def preflight(cfg: Config) -> Preflight:
     apply_scaling(cfg)
     model_args = cfg.model if isinstance(cfg.model, ModelArgs) else ModelArgs(**cfg.model)
     plan = validate(cfg, rt.world_size, rt.device_type)
+    from llama_train.faults import FaultPlan
+
+    FaultPlan.from_env()  # a malformed LLAMA_TRAIN_FAULTS fails here, not mid-run
+    _check_writable(cfg.trainer.output_dir)
     prepared = prepare_data(cfg.data, vocab_size=model_args.vocab_size)
     check_compatible(prepared.meta, model_args.vocab_size, cfg.trainer.seq_len)
+    _check_prepared_tokenizer(prepared)
     return Preflight(rt, model_args, plan, prepared)
+
+
+def _check_writable(output_dir: str) -> None:
+    """Every rank writes checkpoint shards: find a read-only or full output dir now, not at the
+    first save hours later. Probes the checkpoint dir, or the nearest existing parent that would
+    hold it, and leaves nothing behind."""
+    d = Path(output_dir).absolute() / "checkpoints"
+    while not d.exists() and d.parent != d:
+        d = d.parent
+    probe = d / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        if not d.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(d))
+        probe.write_bytes(b"\0" * 4096)
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"trainer.output_dir={output_dir!r} is not writable: {e.strerror or e} "
+            f"({e.filename or d}). Point trainer.output_dir at a writable directory with free "
+            f"space, or fix its permissions or mount."
+        ) from None
+
+
+def _check_prepared_tokenizer(prepared) -> None:
+    """The tokenizer file beside the shards must be the one meta.json says encoded them."""
+    from llama_train.data import DataError
+    from llama_train.data.tokenizer import file_sha256
+
+    want = prepared.meta["tokenizer"].get("sha256")
+    path = Path(prepared.tokenizer_path)
+    if not path.is_file():
+        raise DataError(f"{path} is missing: the prepared data in {prepared.dir} is incomplete; "
+                        f"delete it and prepare again.")
+    got = file_sha256(path)
+    if want and got != want:
+        raise DataError(
+            f"{path} (sha256 {got[:12]}) is not the tokenizer that encoded the shards in "
+            f"{prepared.dir} (meta.json: sha256 {want[:12]}): the directory mixes two "
+            f"tokenizers. Delete it and prepare again, or restore its tokenizer.model."
+        )
 
 
 def train(cfg: Config) -> Dict[str, Any]:
@@ -111,6 +164,7 @@ def train(cfg: Config) -> Dict[str, Any]:
     rt, model_args, plan, prepared = pre.rt, pre.model_args, pre.plan, pre.prepared
     t = cfg.trainer
     from llama_train.data import TrainLoader, val_batches
+    from llama_train.faults import FaultPlan
     from llama_train.model import Transformer, count_params, flops_per_token
 
     # ---- process group, model, engine ----------------------------------------------------------
@@ -119,13 +173,16 @@ def train(cfg: Config) -> Dict[str, Any]:
     from llama_train.optim import lr_at, param_groups
     from llama_train.tracking import Tracker
 
+    faults = FaultPlan.from_env()
     eng.init_distributed(rt, cfg.comm)
     import torch.distributed as dist
+
+    log.info("process group up: %d ranks over %s", rt.world_size, dist.get_backend())
 
     torch.manual_seed(t.seed)
     ckpts = CheckpointManager(t.output_dir, t.keep_last, t.verify_checksums, rt.rank,
                               rt.world_size)
-    resume_from = ckpts.resolve_resume(t.resume)
+    resume_from = ckpts.resolve_resume(t.resume)  # verified (sha256) before anything unpickles it
     universal = False
     if resume_from is not None:
         from llama_train.checkpoint import read_state
@@ -137,6 +194,7 @@ def train(cfg: Config) -> Dict[str, Any]:
                 f"{saved['global_batch']} sequences, this run has {plan.global_batch}: keep the "
                 f"global batch (trainer.global_batch) when resuming so the data order continues."
             )
+        _check_checkpoint_tokenizer(resume_from, prepared)
         if saved["world_size"] != rt.world_size and saved["zero_stage"] > 0:
             prepare_universal(resume_from, rt.rank)
             universal = True
@@ -164,17 +222,20 @@ def train(cfg: Config) -> Dict[str, Any]:
     # ---- resume --------------------------------------------------------------------------------
     step, tokens, skipped_total, rollbacks = 0, 0, 0, 0
     skip_windows: List[List[int]] = []
+    guard = _FaultGuard()
     if resume_from is not None:
         state, rank_state = ckpts.load(engine, resume_from, universal)
         step, tokens = state["step"], state["tokens"]
         skipped_total, rollbacks = state.get("skipped_steps", 0), state.get("rollbacks", 0)
         skip_windows = state.get("skip_windows", [])
+        guard.load_state_dict(state.get("fault", {}))
         loader.load_state_dict(state["data"])
         tracker.load_state_dict(state["tracker"])
         if rank_state and not universal:
             set_rng_state(rank_state["rng"])
         log.info("resumed from %s at step %d (%d tokens)", resume_from, step, tokens)
-    tracker.start(resume_step=step if resume_from is not None else None)
+    tracker.start(resume_step=step if resume_from is not None else None,
+                  checkpoint=str(resume_from) if resume_from is not None else None)
     if resume_from is not None:
         tracker.event(step, "resume", checkpoint=str(resume_from))
 
@@ -192,7 +253,7 @@ def train(cfg: Config) -> Dict[str, Any]:
                  plan.micro_batch, plan.grad_accum, plan.global_batch, plan.seq_len,
                  cfg.deepspeed.zero_stage, precision, rt.device_type, peak)
 
-    def save(at_step: int) -> None:
+    def save(at_step: int) -> Path:
         t0 = time.perf_counter()
         path = ckpts.save(
             engine, at_step,
@@ -201,7 +262,7 @@ def train(cfg: Config) -> Dict[str, Any]:
                 "tracker": tracker.state_dict(), "world_size": rt.world_size,
                 "zero_stage": cfg.deepspeed.zero_stage, "global_batch": plan.global_batch,
                 "seq_len": t.seq_len, "skipped_steps": skipped_total, "rollbacks": rollbacks,
-                "skip_windows": skip_windows,
+                "skip_windows": skip_windows, "fault": guard.state_dict(),
                 "scheduler": {"type": "warmup_cosine", "step": at_step, "lr": cfg.optim.lr,
                               "warmup_steps": cfg.optim.warmup_steps, "max_steps": t.max_steps,
                               "min_lr_ratio": cfg.optim.min_lr_ratio},
@@ -212,6 +273,7 @@ def train(cfg: Config) -> Dict[str, Any]:
         )
         tracker.event(at_step, "checkpoint", path=str(path),
                       seconds=round(time.perf_counter() - t0, 3))
+        return path
 
     # SIGTERM/SIGINT: finish the current step, save, exit. All ranks agree through the per-step
     # all-reduce below, so a signal that reaches one rank stops them all at the same step.
@@ -226,7 +288,7 @@ def train(cfg: Config) -> Dict[str, Any]:
     # ---- the loop ------------------------------------------------------------------------------
     data_iter = iter(loader)
     stage0 = cfg.deepspeed.zero_stage == 0
-    bad_streak, loss_ema = 0, None
+    last_good = resume_from  # the checkpoint a rollback returns to: the newest of *this* history
     last_saved = step if resume_from is not None else -1
     losses: Dict[int, float] = {}
     val_loss = None
@@ -234,11 +296,13 @@ def train(cfg: Config) -> Dict[str, Any]:
     first_step, run_done = step, False
     t_last = time.perf_counter()
     while step < t.max_steps:
-        for window in skip_windows:  # data windows that caused a rollback are never re-read
-            if loader.state_dict()["consumed_samples"] == window[0]:
-                loader.load_state_dict({**loader.state_dict(), "consumed_samples": window[1]})
-                data_iter = iter(loader)
+        _PROGRESS["step"] = step + 1
+        window = _skip_bad_windows(loader, skip_windows)
+        if window is not None:  # data that caused a rollback is never read again
+            data_iter = iter(loader)
+            tracker.event(step + 1, "data_skipped", window=window)
         window_start = loader.state_dict()["consumed_samples"]
+        batch_no = window_start // plan.global_batch + 1  # this step's global batch in the stream
         if t.fail_at_step is not None and step + 1 == t.fail_at_step and rt.rank == 0:
             os._exit(17)  # fault injection for tests: a rank dies without warning
         t0 = time.perf_counter()
@@ -249,37 +313,38 @@ def train(cfg: Config) -> Dict[str, Any]:
         loss_sum = torch.zeros((), dtype=torch.float64)
         for micro in range(plan.grad_accum):
             x, y = next(data_iter)
+            _check_token_ids(x, y, model_args.vocab_size, prepared.dir, window_start)
             x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
             _, loss = engine(x, y)
-            if step + 1 in t.nan_at_steps:
-                loss = loss * float("nan")  # fault injection: a non-finite loss
+            if batch_no in t.nan_at_steps:
+                loss = loss * float("nan")  # fault injection: a batch with a non-finite loss
+            if faults.loss_factor(batch_no) != 1.0:
+                loss = loss * faults.loss_factor(batch_no)  # fault injection: a loss spike
             engine.backward(loss)
             loss_sum += loss.detach().double().cpu()
             if micro < plan.grad_accum - 1:
                 engine.step()
         # One small all-reduce per step: the loss, whether any rank saw a non-finite value, and
         # whether any rank was asked to stop.
-        stats = torch.tensor([loss_sum.item(), 0.0 if torch.isfinite(loss_sum) else 1.0,
-                              1.0 if stop_signal else 0.0], dtype=torch.float64)
-        if not torch.isfinite(stats[0]):
-            stats[0] = 0.0
-        stats = stats.to(rt.device)
+        finite = bool(torch.isfinite(loss_sum))
+        stats = torch.tensor([loss_sum.item() if finite else 0.0, 0.0 if finite else 1.0,
+                              1.0 if stop_signal else 0.0], dtype=torch.float64).to(rt.device)
         dist.all_reduce(stats)
         stats = stats.cpu()
         nonfinite = stats[1].item() > 0
-        step_loss = stats[0].item() / (plan.grad_accum * rt.world_size)
         grad_norm = None
         if stage0:  # ZeRO-0 has neither an overflow check nor a reported norm: do both here
             norms = [p.grad.detach().float().norm() for p in engine.module.parameters()
                      if p.grad is not None]
             grad_norm = torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
             nonfinite = nonfinite or not math.isfinite(grad_norm)
-            if nonfinite:
-                for p in engine.module.parameters():  # AdamW leaves grad-less params untouched
-                    p.grad = None
+        step_loss = (float("nan") if stats[1].item() > 0
+                     else stats[0].item() / (plan.grad_accum * rt.world_size))
         skipped_before = engine.skipped_steps
-        engine.step()
-        applied = not nonfinite and engine.skipped_steps == skipped_before
+        with _optimizer_step_skipped(engine, stage0 and nonfinite):
+            engine.step()  # still called: it clears the gradients and keeps DeepSpeed's counters
+        # ZeRO>=1: DeepSpeed skips a step whose gradient norm is not finite, and counts it.
+        applied = (not nonfinite) if stage0 else engine.skipped_steps == skipped_before
         step += 1
         tokens += plan.tokens_per_step
         if rt.device_type == "cuda":
@@ -287,42 +352,48 @@ def train(cfg: Config) -> Dict[str, Any]:
         dt = time.perf_counter() - t0
 
         # ---- faults: skip non-finite steps, roll back after a streak or a spike ----------------
-        spike = (applied and t.spike_factor > 0 and loss_ema is not None
-                 and step > t.spike_warmup_steps and step_loss > t.spike_factor * loss_ema)
-        if not applied or spike:
-            skipped_total += 0 if spike else 1
-            bad_streak += 1
-            tracker.event(step, "spike" if spike else "skipped_step", loss=step_loss,
-                          bad_streak=bad_streak)
-            if spike or bad_streak >= t.max_bad_steps:
+        verdict = guard.judge(step, step_loss, applied, nonfinite, window_start, t)
+        if verdict is not None:
+            skipped_total += 0 if applied else 1
+            tracker.event(step, verdict, step_loss=step_loss, bad_streak=guard.bad_streak,
+                          batch=batch_no, skipped_steps=skipped_total)
+            if guard.must_roll_back(verdict, t):
+                bad_window = [guard.streak_start, loader.state_dict()["consumed_samples"]]
                 if rollbacks >= t.max_rollbacks:
-                    raise RuntimeError(
-                        f"step {step}: {bad_streak} bad steps in a row after {rollbacks} "
-                        f"rollbacks (trainer.max_rollbacks); stopping so nothing worse is saved."
+                    raise TrainingAborted(
+                        f"step {step}: {verdict} after {rollbacks} rollbacks "
+                        f"(trainer.max_rollbacks={t.max_rollbacks}); stopping so that nothing "
+                        f"worse is saved. The newest good checkpoint is {last_good}; inspect the "
+                        f"data window {bad_window} (global samples) or lower optim.lr."
                     )
-                good = ckpts.resolve_resume("auto")
-                if good is None:
-                    raise RuntimeError(f"step {step}: rollback needed but no checkpoint exists.")
-                skip_windows.append([_window_start_of_streak(window_start, bad_streak, plan),
-                                     loader.state_dict()["consumed_samples"]])
-                state, _ = ckpts.load(engine, good, universal=False)
+                if last_good is None:
+                    raise TrainingAborted(
+                        f"step {step}: {verdict} needs a rollback but this run has no checkpoint "
+                        f"yet; lower trainer.save_every (now {t.save_every}) or raise "
+                        f"trainer.max_bad_steps (now {t.max_bad_steps})."
+                    )
+                bad_step = step
+                skip_windows.append(bad_window)
+                target = ckpts.resolve_resume(str(last_good))  # verify it again before loading
+                state, rank_state = ckpts.load(engine, target,
+                                               universal and target == resume_from)
                 rollbacks += 1
                 step, tokens = state["step"], state["tokens"]
                 loader.load_state_dict(state["data"])
                 data_iter = iter(loader)
-                tracker.event(step, "rollback", checkpoint=str(good), rollbacks=rollbacks,
-                              skip_window=skip_windows[-1])
-                if rt.is_main:
-                    tracker._truncate_after(step)
-                bad_streak, last_saved = 0, step
+                if rank_state and not (universal and target == resume_from):
+                    set_rng_state(rank_state["rng"])
+                guard.after_rollback(state.get("fault", {}))
+                tracker.rewind(state["tracker"].get("metrics_lines"), step)
+                tracker.event(bad_step, "rollback", to_step=step, checkpoint=str(target),
+                              rollbacks=rollbacks, skip_window=bad_window, reason=verdict)
+                losses = {k: v for k, v in losses.items() if k <= step}
+                last_saved = step
                 continue
-        else:
-            bad_streak = 0
-            loss_ema = step_loss if loss_ema is None else 0.9 * loss_ema + 0.1 * step_loss
         losses[step] = step_loss
 
         # ---- log -------------------------------------------------------------------------------
-        if step % t.log_every == 0 or step == t.max_steps or step == 1:
+        if step % t.log_every == 0 or step == t.max_steps or step == 1 or verdict is not None:
             if grad_norm is None:
                 grad_norm = engine.get_global_grad_norm()
             tps = plan.tokens_per_step / dt
@@ -352,7 +423,7 @@ def train(cfg: Config) -> Dict[str, Any]:
         stopping = stats[2].item() > 0
         run_done = t.steps_this_run is not None and step - first_step >= t.steps_this_run
         if step % t.save_every == 0 or step == t.max_steps or stopping or run_done:
-            save(step)
+            last_good = save(step)
             last_saved = step
         if run_done and not stopping:
             log.info("trainer.steps_this_run=%d reached at step %d: checkpoint saved, exiting",
@@ -365,7 +436,7 @@ def train(cfg: Config) -> Dict[str, Any]:
             raise SystemExit(128 + (stop_signal[0] if stop_signal else signal.SIGTERM))
 
     if last_saved != step and not run_done:
-        save(step)
+        last_good = save(step)
 
     # ---- the end: a text sample ------------------------------------------------------------------
     sample = generate_sample(engine, cfg, prepared.tokenizer_path, rt)
@@ -379,6 +450,128 @@ def train(cfg: Config) -> Dict[str, Any]:
     _shutdown(loader)
     return {"step": step, "losses": losses, "val_loss": val_loss, "sample": sample,
             "skipped_steps": skipped_total, "rollbacks": rollbacks}
+
+
+# ------------------------------------------------------------------------------------------------
+# Faults during training
+
+
+class TrainingAborted(RuntimeError):
+    """The fault policy gave up (too many rollbacks, nothing to roll back to)."""
+
+
+_PROGRESS: Dict[str, Optional[int]] = {"step": None}  # for the lost-rank message
+
+
+class _FaultGuard:
+    """Decides, step by step, whether a step was bad and whether to roll back.
+
+    A step is bad when it was not applied (non-finite loss or gradients: skipped), when it was
+    applied although non-finite (``nonfinite_applied``: DeepSpeed missed it, the weights are
+    suspect) or when its loss exceeds ``spike_factor`` x the running mean of good losses
+    (``spike``). ``max_bad_steps`` bad steps in a row, a spike or a suspect step roll back. Its
+    state travels in checkpoints so a resumed run decides exactly as the uninterrupted one.
+    """
+
+    def __init__(self):
+        self.loss_ema: Optional[float] = None  # mean of good losses (decay 0.9)
+        self.bad_streak = 0
+        self.streak_start = 0  # global sample where the current streak of bad steps began
+
+    def judge(self, step: int, loss: float, applied: bool, nonfinite: bool, window_start: int,
+              t) -> Optional[str]:
+        if not applied:
+            verdict = "skipped_step"
+        elif nonfinite:
+            verdict = "nonfinite_applied"
+        elif (t.spike_factor > 0 and self.loss_ema is not None and step > t.spike_warmup_steps
+              and loss > t.spike_factor * self.loss_ema):
+            verdict = "spike"
+        else:
+            self.bad_streak = 0
+            self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+            return None
+        if self.bad_streak == 0:
+            self.streak_start = window_start
+        self.bad_streak += 1
+        return verdict
+
+    def must_roll_back(self, verdict: str, t) -> bool:
+        return verdict != "skipped_step" or self.bad_streak >= t.max_bad_steps
+
+    def after_rollback(self, saved: Dict[str, Any]) -> None:
+        self.loss_ema = saved.get("loss_ema")
+        self.bad_streak, self.streak_start = 0, 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"loss_ema": self.loss_ema, "bad_streak": self.bad_streak,
+                "streak_start": self.streak_start}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.loss_ema = state.get("loss_ema")
+        self.bad_streak = state.get("bad_streak", 0)
+        self.streak_start = state.get("streak_start", 0)
+
+
+@contextmanager
+def _optimizer_step_skipped(engine, skip: bool):
+    """ZeRO-0: make ``engine.step()`` leave weights and optimizer state alone (the optimizer's
+    ``step`` is a no-op for the call), as DeepSpeed itself does for an overflow under ZeRO>=1."""
+    if not skip:
+        yield
+        return
+    opt = engine.optimizer
+    opt.step = lambda *args, **kwargs: None  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del opt.step
+
+
+def _skip_bad_windows(loader, windows: List[List[int]]) -> Optional[List[int]]:
+    """Move the loader past every recorded bad window it stands in; the [from, to) it jumped."""
+    start = pos = loader.state_dict()["consumed_samples"]
+    moved = True
+    while moved:
+        moved = False
+        for lo, hi in windows:
+            if lo <= pos < hi:
+                pos, moved = hi, True
+    if pos == start:
+        return None
+    loader.load_state_dict({**loader.state_dict(), "consumed_samples": pos})
+    return [start, pos]
+
+
+def _check_token_ids(x, y, vocab_size: int, prepared_dir: str, window_start: int) -> None:
+    """Token ids outside the vocabulary (a shard changed on disk after prepare) would index
+    past the embedding: refuse them before the forward pass."""
+    lo, hi = int(x.min()), int(x.max())
+    bad_y = bool(((y >= vocab_size) | ((y < 0) & (y != -100))).any())
+    if lo < 0 or hi >= vocab_size or bad_y:
+        from llama_train.data import DataError
+
+        raise DataError(
+            f"token ids outside [0, model.vocab_size={vocab_size}) in the global batch starting "
+            f"at sample {window_start} of {prepared_dir} (min {lo}, max {hi}): the shards are "
+            f"corrupt or from another tokenizer. Check them with data.verify=true, or delete "
+            f"{prepared_dir} and prepare again."
+        )
+
+
+def _check_checkpoint_tokenizer(ckpt: Path, prepared) -> None:
+    """A checkpoint resumed on data encoded by another tokenizer would train on garbage."""
+    from llama_train.data import DataError
+    from llama_train.data.tokenizer import file_sha256
+
+    theirs = Path(ckpt) / "tokenizer.model"
+    ours = prepared.meta["tokenizer"].get("sha256")
+    if theirs.is_file() and ours and file_sha256(theirs) != ours:
+        raise DataError(
+            f"checkpoint {ckpt} was trained with a different tokenizer (sha256 "
+            f"{file_sha256(theirs)[:12]}) than the data in {prepared.dir} (sha256 {ours[:12]}): "
+            f"prepare the data with data.tokenizer={theirs}, or start a new trainer.output_dir."
+        )
 
 
 def load_initial_weights(model, model_args, path: str) -> None:
@@ -401,11 +594,6 @@ def load_initial_weights(model, model_args, path: str) -> None:
             )
     model.load_state_dict(sd, strict=True)
     log.info("initialised weights from %s", path)
-
-
-def _window_start_of_streak(window_start: int, bad_streak: int, plan) -> int:
-    """First global sample of the streak of bad steps that ends at the current step."""
-    return window_start - (bad_streak - 1) * plan.global_batch
 
 
 def evaluate(engine, prepared_dir, t, rt, val_batches) -> float:
@@ -490,16 +678,67 @@ def _strip_launcher_args(argv: List[str]) -> List[str]:
 register_configs()
 
 
+# Exit codes (docs/reliability.md): 2 bad config or data, 3 a checkpoint could not be saved or
+# loaded, 4 the fault policy gave up, 5 another rank was lost. 17: trainer.fail_at_step.
+EXIT_BAD_INPUT, EXIT_CHECKPOINT, EXIT_ABORTED, EXIT_LOST_RANK = 2, 3, 4, 5
+
+
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="config")
 def _hydra_main(dcfg: DictConfig) -> Optional[float]:
+    from llama_train.checkpoint import CheckpointError
+    from llama_train.faults import find_comm_error
+
     try:
         cfg = load_config(dcfg)
         result = train(cfg)
     except ValueError as e:  # ConfigError, DataError, ModelArgs checks: a message, not a trace
-        log.error("%s: %s", type(e).__name__, e)
-        print(f"llama-train: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _fail(EXIT_BAD_INPUT, e)
+    except (CheckpointError, TrainingAborted) as e:
+        _fail(EXIT_CHECKPOINT if isinstance(e, CheckpointError) else EXIT_ABORTED, e)
+    except Exception as e:
+        import torch.distributed as dist
+
+        comm = find_comm_error(e)
+        if comm is None or not (dist.is_initialized() and dist.get_world_size() > 1):
+            raise
+        _exit_lost_rank(comm, cfg.comm.timeout_s)
     return result["val_loss"]
+
+
+def _exit_lost_rank(comm: BaseException, timeout_s: float) -> None:
+    """A collective failed: say which rank is gone (as far as the store can tell) and exit at
+    once; the process group is broken and a clean shutdown could block on it."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from llama_train.faults import diagnose_lost_ranks
+
+    # The launcher is tearing the job down: a DataLoader worker it terminates must not
+    # interrupt the diagnosis through torch's SIGCHLD handler.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    rank, world, step = dist.get_rank(), dist.get_world_size(), _PROGRESS["step"]
+    frames = traceback.extract_tb(comm.__traceback__)
+    where = ([f for f in frames if "llama_train" in f.filename] or frames)[-1]
+    log.error("rank %d: a collective failed (%s, %s:%d); checking which ranks are alive",
+              rank, where.name, Path(where.filename).name, where.lineno)
+    who = diagnose_lost_ranks(rank, world, wait_s=min(3.0, float(timeout_s)))
+    first = str(comm).strip().splitlines()[0][:300] if str(comm).strip() else type(comm).__name__
+    msg = (f"rank {rank} lost contact with the job{f' at step {step}' if step else ''}: {who}. "
+           f"Collective error: {first}. Relaunch the job: it resumes from the last complete "
+           f"checkpoint.")
+    log.error(msg)
+    print(f"llama-train: error: {msg}", file=sys.stderr)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_LOST_RANK)
+
+
+def _fail(code: int, e: BaseException) -> None:
+    log.error("%s: %s", type(e).__name__, e)
+    print(f"llama-train: error: {e}", file=sys.stderr)
+    raise SystemExit(code) from None
 
 
 def _reject_unknown_keys(node: DictConfig, prefix: str) -> None:

@@ -1,0 +1,187 @@
+"""Faults on purpose, and naming the rank that is gone when one happens by accident.
+
+Injection (for tests and fire drills; nothing here is active unless asked for):
+
+* ``trainer.nan_at_steps=[N, ...]`` and ``trainer.fail_at_step=N`` are config fields;
+* ``LLAMA_TRAIN_FAULTS`` holds the rest, ``;``-separated, each ``kind:key=value,...``::
+
+      loss_scale:batch=9,factor=1000          multiply the loss of global batch 9 (a loss spike)
+      save_error:step=4,rank=1,errno=ENOSPC   the save of step 4 fails on rank 1 part-way: its
+                                              1st file write (write=K: the K-th) stops half
+                                              written with OSError(ENOSPC)
+      save_error:step=4,rank=0,errno=EROFS,at=mkdir   rank 0 cannot create the checkpoint dir
+
+Batches are counted in the data stream (global batch b = samples [(b-1)G, bG)), not in optimizer
+steps, so an injected bad batch stays bad when a rollback replays steps, as real bad data would.
+
+Diagnosis: when a collective fails (a peer process died, or hung past ``comm.timeout_s``), the
+survivors check in at the rendezvous store and name the ranks that did not
+(:func:`diagnose_lost_ranks`). The launcher's own "exits with return code" line shows the command
+of the *last* rank it started, whichever rank died, so it cannot be trusted to name the rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno as errno_mod
+import io
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional
+
+ENV = "LLAMA_TRAIN_FAULTS"
+
+
+class FaultSpecError(ValueError):
+    """A malformed LLAMA_TRAIN_FAULTS value."""
+
+
+@dataclass
+class SaveFault:
+    step: int
+    rank: int
+    errno: int
+    write: int = 1  # which torch.save call of that save fails (1-based)
+    at: str = "write"  # write | mkdir
+
+
+@dataclass
+class FaultPlan:
+    loss_scale: Dict[int, float] = field(default_factory=dict)
+    save_errors: List[SaveFault] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, spec: str) -> "FaultPlan":
+        plan = cls()
+        for item in filter(None, (s.strip() for s in spec.split(";"))):
+            kind, _, rest = item.partition(":")
+            try:
+                kv = dict(p.split("=", 1) for p in rest.split(",") if p)
+            except ValueError:
+                raise FaultSpecError(f"{ENV}: {item!r} is not kind:key=value,...") from None
+            try:
+                if kind == "loss_scale":
+                    plan.loss_scale[int(kv["batch"])] = float(kv["factor"])
+                elif kind == "save_error":
+                    code = kv.get("errno", "ENOSPC")
+                    if not hasattr(errno_mod, code):
+                        raise FaultSpecError(f"{ENV}: unknown errno {code!r} in {item!r}")
+                    at = kv.get("at", "write")
+                    if at not in ("write", "mkdir"):
+                        raise FaultSpecError(f"{ENV}: at={at!r} must be write or mkdir ({item!r})")
+                    plan.save_errors.append(SaveFault(int(kv["step"]), int(kv.get("rank", 0)),
+                                                      getattr(errno_mod, code),
+                                                      int(kv.get("write", 1)), at))
+                else:
+                    raise FaultSpecError(f"{ENV}: unknown fault kind {kind!r} in {item!r}; "
+                                         f"use loss_scale or save_error")
+            except KeyError as e:
+                raise FaultSpecError(f"{ENV}: {item!r} needs {e.args[0]}=...") from None
+        return plan
+
+    @classmethod
+    def from_env(cls) -> "FaultPlan":
+        return cls.parse(os.environ.get(ENV, ""))
+
+    def loss_factor(self, batch: int) -> float:
+        return self.loss_scale.get(batch, 1.0)
+
+    def _save_fault(self, step: int, rank: int, at: str) -> Optional[SaveFault]:
+        for f in self.save_errors:
+            if f.step == step and f.rank == rank and f.at == at:
+                return f
+        return None
+
+    def check_mkdir(self, step: int, rank: int, path) -> None:
+        f = self._save_fault(step, rank, "mkdir")
+        if f is not None:
+            raise OSError(f.errno, os.strerror(f.errno), str(path))
+
+    @contextlib.contextmanager
+    def failing_writes(self, step: int, rank: int) -> Iterator[None]:
+        """During one checkpoint save: the planned ``torch.save`` call writes half its bytes and
+        raises, like a disk that fills up in the middle of a file."""
+        f = self._save_fault(step, rank, "write")
+        if f is None:
+            yield
+            return
+        import torch
+
+        real_save, calls = torch.save, [0]
+
+        def save(obj, target, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] != f.write or not isinstance(target, (str, os.PathLike)):
+                return real_save(obj, target, *args, **kwargs)
+            buf = io.BytesIO()
+            real_save(obj, buf, *args, **kwargs)
+            with open(target, "wb") as fh:
+                fh.write(buf.getvalue()[: buf.tell() // 2])
+            raise OSError(f.errno, os.strerror(f.errno), str(target))
+
+        torch.save = save
+        try:
+            yield
+        finally:
+            torch.save = real_save
+
+
+# ------------------------------------------------------------------------------------------------
+# A peer is gone: say which
+
+
+_COMM_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer",
+                 "broken pipe", "timed out", "socket timeout", "dist_backend")
+
+
+def find_comm_error(exc: BaseException) -> Optional[BaseException]:
+    """The exception that came out of a collective (torch raises gloo errors as RuntimeError),
+    also when another error was raised while handling it (a DataLoader worker that the launcher
+    terminated meanwhile, say); None if there is none in the chain."""
+    import torch.distributed as dist
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, getattr(dist, "DistError", ())):
+            return exc
+        text = str(exc).lower()
+        if isinstance(exc, RuntimeError) and any(m in text for m in _COMM_MARKERS):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    return find_comm_error(exc) is not None
+
+
+def diagnose_lost_ranks(rank: int, world: int, wait_s: float = 5.0) -> str:
+    """After a failed collective: every survivor writes ``alive/<rank>`` to the rendezvous store
+    and waits up to ``wait_s`` for the others; the ranks that never check in are gone (or hung).
+    Rank 0 hosts the store, so if it cannot be reached, rank 0 is the one gone."""
+    import torch.distributed as dist
+
+    prefix = "llama_train/alive/"
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=max(1.0, wait_s)))
+        store.set(f"{prefix}{rank}", str(time.time()))
+        deadline = time.monotonic() + wait_s
+        missing = list(range(world))
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([f"{prefix}{r}"])]
+            if missing:
+                time.sleep(0.1)
+    except Exception as e:  # noqa: BLE001 - the store itself is unreachable
+        return (f"rank {rank} cannot reach the rendezvous store at {where} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]}): rank 0, which hosts it, is gone")
+    if not missing:
+        return (f"rank {rank}: every rank checked in after the failure (a network fault or a "
+                f"timeout, not a dead process?)")
+    names = ", ".join(str(r) for r in missing)
+    return (f"rank(s) {names} did not check in within {wait_s:.0f}s: rank(s) {names} died or hung "
+            f"(seen from rank {rank})")
