@@ -264,11 +264,53 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     """Rotate interleaved feature pairs (x0, x1), (x2, x3), ... (Meta's convention).
 
     x: (B, T, heads, hd); cos, sin: (T, hd/2). Computed in fp32 and cast back, like the reference.
+    Pair (x0, x1) read as the complex number x0 + i*x1 times cos + i*sin is exactly
+    (x0*cos - x1*sin, x0*sin + x1*cos): one complex multiply forward and one backward instead of
+    ~7 elementwise kernels and a stack each way (4.5x faster on CPU, same bits; see
+    docs/performance.md).
     """
-    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each (B, T, heads, hd/2)
-    cos, sin = cos.float()[:, None, :], sin.float()[:, None, :]  # (T, 1, hd/2)
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (B, T, heads, hd/2, 2)
-    return out.flatten(-2).type_as(x)
+    xf = x.float()
+    if xf.stride(-1) != 1 or xf.storage_offset() % 2:  # view_as_complex needs whole pairs
+        xf = xf.clone(memory_format=torch.contiguous_format)
+    xc = torch.view_as_complex(xf.unflatten(-1, (-1, 2)))  # (B, T, heads, hd/2) complex
+    rot = torch.complex(cos.float(), sin.float())[:, None, :]  # (T, 1, hd/2)
+    return torch.view_as_real(xc * rot).flatten(-2).type_as(x)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy over targets != ignore_index whose backward writes the gradient once.
+
+    ``F.cross_entropy`` backward zero-fills an (N, V) buffer for nll_loss, scatters into it, then
+    runs log_softmax's backward over two more (N, V) passes. The gradient is simply
+    ``(softmax - onehot) * g / n``: exp of the saved log-probabilities, minus one at the targets,
+    scaled in place. Same forward, same loss bits; the gradient agrees to float rounding.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        logp = torch.log_softmax(logits, dim=-1)  # (N, V)
+        valid = targets != ignore_index  # (N,)
+        safe = torch.where(valid, targets, 0)
+        n = valid.sum()
+        loss = -(logp.gather(1, safe[:, None]).squeeze(1) * valid).sum() / n
+        ctx.save_for_backward(logp, safe, valid, n)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        logp, safe, valid, n = ctx.saved_tensors
+        grad = logp.exp()  # softmax, (N, V)
+        grad.scatter_add_(1, safe[:, None], torch.full_like(grad[:, :1], -1.0))
+        grad.mul_((grad_loss / n * valid)[:, None].to(grad.dtype))
+        return grad, None, None
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """``F.cross_entropy(logits, targets, ignore_index=ignore_index)`` (mean) with a leaner
+    backward. logits (N, V) floating point, targets (N,) int64."""
+    if not torch.is_grad_enabled() or not logits.requires_grad:
+        return F.cross_entropy(logits, targets, ignore_index=ignore_index)
+    return _CrossEntropy.apply(logits, targets, ignore_index)
 
 
 class KVCache:
@@ -462,7 +504,7 @@ class Transformer(nn.Module):
         logits = self.output(self.norm(h)).float()  # (B, T, V)
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+        loss = cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
     @torch.no_grad()

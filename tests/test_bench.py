@@ -96,3 +96,51 @@ def test_memory_bench_zero3_matches_the_plan(tmp_path, capsys):
     assert row["optimizer_vs_analytic"] == pytest.approx(1.0, abs=0.10), row
     assert row["measured"]["adam_moments"] == pytest.approx(8 * r["n_params"] / 2, rel=0.10)
     assert row["rss_peak"] > row["rss_baseline"] > 0
+
+
+# ---- the perf edits in llama_train.model keep the numbers ------------------------------------
+
+
+def _rope_reference(x, cos, sin):
+    """The plain real-arithmetic rotation of interleaved pairs."""
+    import torch
+
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2).type_as(x)
+
+
+def test_complex_rope_equals_real_arithmetic_for_any_layout():
+    import torch
+
+    from llama_train.model import apply_rotary_emb, rope_tables
+
+    cos, sin = rope_tables(8, 5, 10000.0)
+    base = torch.randn(2, 5, 3, 9, generator=torch.Generator().manual_seed(0))
+    odd_offset = base[..., 1:]  # pairs straddle complex boundaries: must be copied first
+    transposed = torch.randn(2, 3, 5, 8).transpose(1, 2)  # (B, T, H, hd) view, not contiguous
+    for x in (base[..., :8].contiguous(), odd_offset, transposed, base[..., :8].bfloat16()):
+        out = apply_rotary_emb(x, cos, sin)
+        assert out.dtype == x.dtype and out.shape == x.shape
+        torch.testing.assert_close(out, _rope_reference(x, cos, sin), atol=1e-6, rtol=1e-6)
+
+
+def test_cross_entropy_matches_torch_in_value_and_gradient():
+    import torch
+    import torch.nn.functional as F
+
+    from llama_train.model import cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(37, 50, generator=g)).requires_grad_()
+    targets = torch.randint(0, 50, (37,), generator=g)
+    targets[::5] = -100  # ignored positions count neither in the mean nor in the gradient
+    ours = cross_entropy(logits, targets)
+    (g_ours,) = torch.autograd.grad(2.5 * ours, logits)
+    ref = F.cross_entropy(logits, targets, ignore_index=-100)
+    (g_ref,) = torch.autograd.grad(2.5 * ref, logits)
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(g_ours, g_ref, atol=1e-7, rtol=1e-5)
+    assert g_ours[::5].abs().max() == 0
+    with torch.no_grad():  # evaluation takes torch's own path
+        torch.testing.assert_close(cross_entropy(logits, targets), ref.detach())

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -76,10 +77,12 @@ class StorageCounter:
         if ds_tensor is not None:
             self.tensor(ds_tensor, path + ".ds_tensor")
 
-    def walk(self, obj: Any, path: str, depth: int = 0) -> None:
+    def walk(self, obj: Any, path: str, depth: int = 0, skip_params: bool = False) -> None:
         import torch
 
         if depth > 8 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            return
+        if skip_params and isinstance(obj, torch.nn.Parameter):
             return
         if torch.is_tensor(obj):
             self.tensor(obj, path)
@@ -90,15 +93,15 @@ class StorageCounter:
         if isinstance(obj, dict):
             for i, (k, v) in enumerate(obj.items()):
                 key = k if isinstance(k, (str, int)) else i  # optimizer state is keyed by tensors
-                self.walk(v, f"{path}[{key}]", depth + 1)
+                self.walk(v, f"{path}[{key}]", depth + 1, skip_params)
         elif isinstance(obj, (list, tuple, set)):
             for i, v in enumerate(obj):
-                self.walk(v, f"{path}[{i}]", depth + 1)
+                self.walk(v, f"{path}[{i}]", depth + 1, skip_params)
         elif type(obj).__module__.split(".")[0] in ("deepspeed", "torch") and hasattr(obj, "__dict__"):
             if isinstance(obj, torch.distributed.ProcessGroup):
                 return
             for k, v in vars(obj).items():
-                self.walk(v, f"{path}.{k}", depth + 1)
+                self.walk(v, f"{path}.{k}", depth + 1, skip_params)
 
     def totals(self) -> Dict[str, int]:
         out = {c: 0 for c in CATEGORIES}
@@ -111,6 +114,11 @@ def count_engine_bytes(engine) -> Dict[str, Any]:
     """Per-category bytes this rank holds for the model and the optimizer, plus the largest
     storages (path, bytes) so the categories can be checked by eye."""
     c = StorageCounter()
+    # Bucket buffers first: gradients copied into a bucket are views of it, and the bytes are
+    # the bucket's (its size is reduce_bucket_size, whatever the model's size).
+    for k, v in vars(engine.optimizer).items():
+        if "ipg" in k.lower() or "bucket" in k.lower():
+            c.walk(v, f"optimizer.{k}", skip_params=True)  # buckets list the params they serve
     for name, p in engine.module.named_parameters():
         c.tensor(p, f"module.{name}")
     # The tensors the inner torch optimizer updates, when they are not the module's own
@@ -121,7 +129,11 @@ def count_engine_bytes(engine) -> Dict[str, Any]:
             c.tensor(p, f"master[{gi}][{pi}]")
     c.walk(engine.optimizer, "optimizer")
     top = sorted(c.found, key=lambda x: -x[1])[:12]
-    return {"bytes": c.totals(), "largest": [[p, n] for p, n in top]}
+    # ZeRO-3: parameters gathered whole right now (not persistent ones), e.g. still in use
+    gathered = sum(p.data.numel() for p in engine.module.parameters()
+                   if hasattr(p, "ds_numel") and not getattr(p, "ds_persist", False))
+    return {"bytes": c.totals(), "largest": [[p, n] for p, n in top],
+            "zero3_gathered_numel": gathered}
 
 
 def main(argv=None) -> None:
@@ -163,9 +175,26 @@ def main(argv=None) -> None:
     _, loss = engine(x, y)
     engine.backward(loss)
     engine.step()  # AdamW state exists from here on
+
+    # Count twice in the second step: when autograd has finished but DeepSpeed has not yet
+    # reduced (ZeRO 0/1 hold every full gradient here), and after backward (ZeRO 2/3 hold
+    # their reduced partitions). Per category, the larger of the two is the peak.
+    snaps: List[Dict[str, Any]] = []
+    epilogue = engine._backward_epilogue
+
+    def counted_epilogue(*a, **kw):
+        snaps.append(count_engine_bytes(engine))
+        return epilogue(*a, **kw)
+
+    engine._backward_epilogue = counted_epilogue
     _, loss = engine(x, y)
-    engine.backward(loss)  # gradients (and their buckets) exist until the step
-    counted = count_engine_bytes(engine)
+    engine.backward(loss)
+    engine._backward_epilogue = epilogue
+    snaps.append(count_engine_bytes(engine))
+    counted = {"bytes": {c: max(s["bytes"][c] for s in snaps) for c in CATEGORIES},
+               "largest": max(snaps, key=lambda s: sum(s["bytes"].values()))["largest"],
+               "snapshots": [s["bytes"] for s in snaps],
+               "zero3_gathered_numel": max(s["zero3_gathered_numel"] for s in snaps)}
     opt_bytes = eng.opt_state_bytes(engine)
     engine.step()
     persistent = [p for p in engine.module.parameters() if getattr(p, "ds_persist", False)]
@@ -186,6 +215,12 @@ def main(argv=None) -> None:
     (out / f"rank{rt.rank}.json").write_text(json.dumps(result, indent=1))
     dist.barrier()
     dist.destroy_process_group()
+    # Skip interpreter teardown: DeepSpeed's ZeRO-3 leaves C++ threads that sometimes abort
+    # the process at exit ("terminate called without an active exception") after the results
+    # are written, which would fail the whole stage.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from llama_train.bench._memory_worker import CATEGORIES
+from llama_train.bench.train import remove_ds_shm
 
 MB = 2**20
 
@@ -76,8 +77,9 @@ def run_stage(args: argparse.Namespace, stage: int, out: Path) -> List[dict]:
         env.pop(key, None)
     env.update(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
+    port = _free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nprocs),
-           "--master_port", str(_free_port()), "--module", "llama_train.bench._memory_worker",
+           "--master_port", str(port), "--module", "llama_train.bench._memory_worker",
            "--preset", args.preset, "--stage", str(stage), "--micro-batch", str(args.micro_batch),
            "--seq-len", str(args.seq_len), "--out", str(out)]
     log = out.parent / f"zero{stage}.log"
@@ -95,6 +97,7 @@ def run_stage(args: argparse.Namespace, stage: int, out: Path) -> List[dict]:
                 except (ProcessLookupError, PermissionError):
                     pass
                 proc.wait()
+            remove_ds_shm("127.0.0.1", port, args.nprocs)
     files = sorted(out.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
     if rc != 0 or len(files) != args.nprocs:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
@@ -152,6 +155,21 @@ def summarize_stage(stage: int, ranks: List[dict], plan: Dict[str, Any]) -> dict
         row["optimizer_vs_analytic"] = optimizer / mm["optimizer_states"] if mm["optimizer_states"] else None
         row["model_state_vs_analytic"] = model_state / mm["total"]
     row["model_state_vs_16psi_over_n"] = model_state / plan["zero3_16psi_over_n"]
+    if stage == 3:
+        # What DeepSpeed keeps beyond 16*Psi/N: its fp32 master copy of the partition (4*Psi/N)
+        # and a whole copy of every persistent small param on every rank (4 B/element, fp32).
+        # Also params gathered whole at the moment of counting (in use at the end of backward).
+        persistent = 4.0 * ranks[0]["zero3_persistent_params"]["numel"]
+        gathered = 4.0 * max(r["zero3_gathered_numel"] for r in ranks)
+        master = worst["fp32_master"]
+        rest = model_state - master - persistent - gathered
+        row["zero3_check"] = {
+            "master_copy_bytes": master,
+            "persistent_whole_copy_bytes": persistent,
+            "gathered_in_use_bytes": gathered,
+            "state_minus_extras": rest,
+            "ratio_to_16psi_over_n": rest / plan["zero3_16psi_over_n"],
+        }
     return row
 
 
@@ -162,7 +180,7 @@ def format_table(report: dict) -> str:
              "",
              f"{'ZeRO':>4} {'params':>8} {'grads':>8} {'master':>8} {'moments':>8} "
              f"{'buckets':>8} {'other':>7} | {'state':>8} {'plan':>8} {'ratio':>6} | "
-             f"{'16Psi/N':>8} {'ratio':>6} | {'peak RSS':>8}"]
+             f"{'16Psi/N':>8} {'ratio':>6} | {'RSS base':>8} {'peak':>6}"]
     for row in report["stages"]:
         m = row["measured"]
         plan = row.get("analytic", {}).get("total")
@@ -172,15 +190,23 @@ def format_table(report: dict) -> str:
             f"{m['other'] / MB:7.2f} | {row['measured_model_state'] / MB:8.2f} "
             f"{(plan or float('nan')) / MB:8.2f} {row.get('model_state_vs_analytic') or float('nan'):6.3f} | "
             f"{row['zero3_16psi_over_n'] / MB:8.2f} {row['model_state_vs_16psi_over_n']:6.3f} | "
-            f"{row['rss_peak'] / MB:8.0f}")
+            f"{row['rss_baseline'] / MB:8.0f} {row['rss_peak'] / MB:6.0f}")
     lines += ["", "state = params + grads + master + moments; plan = llama_train.scaling."
-                  "model_memory(dtype='fp32'); buckets/other are DeepSpeed's extra buffers"]
+                  "model_memory(dtype='fp32'); buckets/other are DeepSpeed's extra buffers;",
+              "RSS base = after imports and process group, before the model; peak = getrusage "
+              "max RSS of the rank (model, engine, activations of one step, allocator slack)"]
     for row in report["stages"]:
-        p = row["zero3_persistent_params"]
-        if row["stage"] == 3 and p["count"]:
-            lines.append(f"ZeRO-3 keeps {p['count']} small params whole on every rank "
-                         f"({p['numel']:,} elements, stage3_param_persistence_threshold="
-                         f"{row['zero_config'].get('stage3_param_persistence_threshold')})")
+        if row["stage"] != 3:
+            continue
+        p, z = row["zero3_persistent_params"], row["zero3_check"]
+        lines.append(f"ZeRO-3 keeps {p['count']} small params whole on every rank "
+                     f"({p['numel']:,} elements, stage3_param_persistence_threshold="
+                     f"{row['zero_config'].get('stage3_param_persistence_threshold')}): "
+                     f"{z['persistent_whole_copy_bytes'] / MB:.2f} MB; an fp32 master copy of "
+                     f"its partition: {z['master_copy_bytes'] / MB:.2f} MB; params gathered for "
+                     f"use when counted: {z['gathered_in_use_bytes'] / MB:.2f} MB")
+        lines.append(f"ZeRO-3 state without those three: {z['state_minus_extras'] / MB:.2f}"
+                     f" MB = {z['ratio_to_16psi_over_n']:.3f} x 16*Psi/N")
     lines.append(f"reproduce: {report['command']}")
     return "\n".join(lines)
 

@@ -29,6 +29,7 @@ import atexit
 import json
 import os
 import platform
+import select
 import shlex
 import signal
 import statistics
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra llama-train override (repeatable), e.g. data.max_documents=600; "
                         "model.* overrides change both models")
+    p.add_argument("--interleave", choices=("step", "run"), default="step",
+                   help="step: both runs live at once, their steps alternate (ours, hf, ours, "
+                        "...) so both meet the same load; run: one whole run after the other")
     p.add_argument("--only", choices=("ours", "hf"), default=None, help="run one side only")
     p.add_argument("--work-dir", default=None, help="run directories (default: a temp dir, removed)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
@@ -109,6 +113,7 @@ def canonical_args(args: argparse.Namespace) -> List[str]:
            "--precision", args.precision, "--zero-stage", str(args.zero_stage)]
     if args.compile:
         out.append("--compile")
+    out += ["--interleave", args.interleave]
     if args.only:
         out += ["--only", args.only]
     for ov in args.override:
@@ -216,8 +221,8 @@ def measure_peaks(model_args, tokens: int, device_name: str, precision: str, thr
     torch.set_num_threads(threads)
     device = torch.device(device_name)
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    return {"square_1024": measure_matmul_flops(device, dtype),
-            "model_shapes": model_matmul_flops(model_args, tokens, device, dtype)}
+    return {"square_1024": measure_matmul_flops(device, dtype, repeats=20),
+            "model_shapes": model_matmul_flops(model_args, tokens, device, dtype, repeats=5)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,69 +244,217 @@ def _env(threads: int, device: str) -> Dict[str, str]:
     return env
 
 
-def _run(cmd: List[str], log: Path, env: Dict[str, str], timeout: float) -> float:
-    """Run to completion in its own process group (killed on timeout or interrupt); wall time."""
-    t0 = time.perf_counter()
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+class Turns:
+    """Lock-step turns between the bench and one worker, over two inherited pipes.
+
+    The worker calls ``begin()`` before each training step (it blocks until the bench says go)
+    and ``end()`` after it; the bench alternates go's between the two sides, so step k of `ours`
+    and step k of `hf` run back to back and meet the same machine load. A no-op when the
+    worker was not started in lock step (``LLAMA_BENCH_TURNS`` unset).
+    """
+
+    ENV = "LLAMA_BENCH_TURNS"
+
+    def __init__(self) -> None:
+        fds = os.environ.get(self.ENV)
+        self.go, self.done = (int(f) for f in fds.split(",")) if fds else (None, None)
+        self.started = False
+
+    def begin(self) -> float:
+        """Wait for our turn; seconds waited. The first call first reports start-up done."""
+        if self.go is None:
+            return 0.0
+        if not self.started:
+            self.started = True
+            os.write(self.done, b"r")
+        t0 = time.perf_counter()
+        if not os.read(self.go, 1):
+            raise SystemExit("llama-bench train: the bench went away")
+        return time.perf_counter() - t0
+
+    def end(self) -> None:
+        if self.done is not None:
+            os.write(self.done, b"d")
+
+
+class Side:
+    """One worker process started by the bench (its own session, killed with its children)."""
+
+    def __init__(self, name: str, cmd: List[str], log: Path, env: Dict[str, str], lockstep: bool):
+        self.name, self.cmd, self.log, self.alive = name, cmd, log, True
+        self.t0 = time.perf_counter()
+        self.go_w = self.done_r = None
+        fds: tuple = ()
+        if lockstep:
+            go_r, self.go_w = os.pipe()
+            self.done_r, done_w = os.pipe()
+            env = {**env, Turns.ENV: f"{go_r},{done_w}"}
+            fds = (go_r, done_w)
+        self.fh = open(log, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.fh, stderr=subprocess.STDOUT,
+                                     start_new_session=True, pass_fds=fds)
+        for fd in fds:  # the child's ends: closed here so its exit reads as EOF
+            os.close(fd)
+
+    def turn(self, timeout: float, go: bool = True) -> None:
+        """Let the worker run one step; returns when it says done or has exited. With
+        ``go=False``: only wait for its start-up to finish (its first ``Turns.begin``)."""
+        if not self.alive:
+            return
         try:
-            rc = proc.wait(timeout=timeout)
+            if go:
+                os.write(self.go_w, b"g")
+        except BrokenPipeError:
+            self.alive = False
+            return
+        deadline = time.perf_counter() + timeout
+        while True:
+            ready, _, _ = select.select([self.done_r], [], [], 1.0)
+            if ready:
+                self.alive = os.read(self.done_r, 1) != b""  # EOF: finished (or died)
+                return
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"{self.name}: no step finished within {timeout:.0f}s "
+                                   f"(--timeout): {shlex.join(self.cmd)}")
+
+    def wait(self, timeout: float) -> float:
+        """Wait for exit, raise with the log's tail unless it succeeded; wall seconds."""
+        try:
+            rc = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = None
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            try:  # stray children (data-loader workers) of the same session
-                os.killpg(proc.pid, signal.SIGKILL)
+        self.kill()
+        if rc != 0:
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+            why = f"timed out after {timeout:.0f}s (--timeout)" if rc is None else f"exit {rc}"
+            raise RuntimeError(f"{self.name}: {why}: {shlex.join(self.cmd)}\n"
+                               f"--- {self.log} (tail) ---\n{tail}")
+        return time.perf_counter() - self.t0
+
+    def kill(self) -> None:
+        for _ in range(2):  # the process, then children that outlived it (same session)
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-    if rc != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        why = f"timed out after {timeout:.0f}s (--timeout)" if rc is None else f"exit {rc}"
-        raise RuntimeError(f"{why}: {shlex.join(cmd)}\n--- {log} (tail) ---\n{tail}")
-    return time.perf_counter() - t0
+            self.proc.wait()
+        for fd in (self.go_w, self.done_r):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.go_w = self.done_r = None
+        self.fh.close()
 
 
-def run_ours(args, overrides: List[str], out: Path, env: Dict[str, str]) -> dict:
-    """One `llama-train` run; per-step times from its metrics.jsonl (warm-up steps dropped)."""
-    cmd = [sys.executable, "-m", "llama_train.bench.train", "--ours-worker", "--",
-           *overrides, f"trainer.output_dir={out}"]
-    wall = _run(cmd, out.parent / f"{out.name}.log", env, args.timeout)
+def remove_ds_shm(addr: str, port: int, ranks: int) -> None:
+    """Remove the /dev/shm files DeepSpeed's CPU all-reduce op leaves behind (~66 MB per rank,
+    named ``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``; it never unlinks them)."""
+    for rank in range(ranks):
+        try:
+            os.unlink(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}")
+        except OSError:
+            pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ours_cmd(overrides: List[str], out: Path) -> List[str]:
+    return [sys.executable, "-m", "llama_train.bench.train", "--ours-worker", "--",
+            *overrides, f"trainer.output_dir={out}"]
+
+
+def hf_cmd(spec: dict, out: Path) -> List[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    return [sys.executable, "-m", "llama_train.bench.train", "--hf-worker", str(spec_path)]
+
+
+def read_ours(args, out: Path, wall: float) -> dict:
+    """Per-step times of a `llama-train` run from its metrics.jsonl, warm-up steps dropped, the
+    time spent waiting for the bench's go (lock step) taken out."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
-    rows = [r for r in rows if "step_time_s" in r]
-    by_step = {r["step"]: r for r in rows}
+    by_step = {r["step"]: r for r in rows if "step_time_s" in r}
     total = args.warmup + args.steps
     missing = [s for s in range(1, total + 1) if s not in by_step]
     if missing:
         raise RuntimeError(f"{out}/metrics.jsonl lacks steps {missing}: was trainer.log_every "
                            "overridden? The bench needs every step logged.")
     waits_path = out / WAIT_FILE
-    waits = json.loads(waits_path.read_text()) if waits_path.exists() else None
+    waits = json.loads(waits_path.read_text()) if waits_path.exists() else []
+    if len(waits) < total:
+        raise RuntimeError(f"{waits_path}: {len(waits)} timed batches for {total} steps "
+                           "(llama_train.train no longer reads llama_train.data.TrainLoader?)")
     measured = range(args.warmup + 1, total + 1)
     return {
-        "step_times": [by_step[s]["step_time_s"] for s in measured],
-        "data_wait": [waits[s - 1] for s in measured] if waits and len(waits) >= total else None,
+        "step_times": [by_step[s]["step_time_s"] - waits[s - 1]["turn"] for s in measured],
+        "warmup_step_times": [by_step[s]["step_time_s"] - waits[s - 1]["turn"]
+                              for s in range(1, args.warmup + 1)],
+        "data_wait": [waits[s - 1]["data"] for s in measured],
         "losses": [by_step[s]["loss"] for s in range(1, total + 1)],
-        "mfu_in_run": statistics.median(by_step[s]["mfu"] for s in measured),
+        # llama-train's own MFU figure (its own peak), the turn wait taken out as well
+        "mfu_in_run": statistics.median(
+            by_step[s]["mfu"] * by_step[s]["step_time_s"]
+            / (by_step[s]["step_time_s"] - waits[s - 1]["turn"]) for s in measured),
         "mem_gb": max(by_step[s].get("mem_gb", 0.0) for s in measured),
         "wall_s": wall,
     }
 
 
-def run_hf(args, spec: dict, out: Path, env: Dict[str, str]) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    spec_path = out / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "llama_train.bench.train", "--hf-worker", str(spec_path)]
-    wall = _run(cmd, out.parent / f"{out.name}.log", env, args.timeout)
+def read_hf(args, out: Path, wall: float) -> dict:
     res = json.loads((out / "result.json").read_text())
     w = args.warmup
-    return {"step_times": res["step_times"][w:], "data_wait": res["data_wait"][w:],
+    return {"step_times": res["step_times"][w:], "warmup_step_times": res["step_times"][:w],
+            "data_wait": res["data_wait"][w:],
             "losses": res["losses"], "mem_gb": res["mem_gb"], "optimizer": res["optimizer"],
             "wall_s": wall}
+
+
+def run_round(args, overrides: List[str], spec: dict, work: Path, r: int,
+              env: Dict[str, str]) -> Dict[str, dict]:
+    """One round: `ours` then `hf` (each a whole run), or both at once in lock step."""
+    lockstep = args.interleave == "step" and args.only is None
+    names = [n for n in ("ours", "hf") if args.only in (None, n)]
+    outs = {n: work / f"{n}-{r}" for n in names}
+    cmds = {"ours": lambda: ours_cmd(overrides, outs["ours"]), "hf": lambda: hf_cmd(spec, outs["hf"])}
+    results: Dict[str, dict] = {}
+    readers = {"ours": read_ours, "hf": read_hf}
+    port = _free_port()  # ours' process group; known here so its shm file can be removed
+    envs = {"ours": {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, "hf": env}
+    if not lockstep:
+        for n in names:
+            side = Side(n, cmds[n](), work / f"{n}-{r}.log", envs[n], lockstep=False)
+            try:
+                results[n] = readers[n](args, outs[n], side.wait(args.timeout))
+            finally:
+                side.kill()
+                remove_ds_shm("127.0.0.1", port, 1)
+        return results
+    sides: List[Side] = []
+    try:
+        for n in names:
+            sides.append(Side(n, cmds[n](), work / f"{n}-{r}.log", envs[n], lockstep=True))
+        for side in sides:  # both started up: nothing else of theirs runs during the steps
+            side.turn(args.timeout, go=False)
+        for _ in range(args.warmup + args.steps):
+            for side in sides:
+                side.turn(args.timeout)
+        for side in sides:
+            results[side.name] = readers[side.name](args, outs[side.name], side.wait(args.timeout))
+    finally:
+        for side in sides:
+            side.kill()
+        remove_ds_shm("127.0.0.1", port, 1)
+    return results
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,22 +463,28 @@ def run_hf(args, spec: dict, out: Path, env: Dict[str, str]) -> dict:
 
 
 def _ours_worker(overrides: List[str]) -> None:
-    """``llama_train.train.main()`` with ``TrainLoader.__iter__`` timing each next()."""
+    """``llama_train.train.main()`` with ``TrainLoader.__iter__`` wrapped: it takes its turn
+    (lock step) and times each next(). train.py's step time includes both; the bench subtracts
+    the turn wait."""
     import llama_train.data as data_pkg
     from llama_train.data.loader import TrainLoader
 
-    waits: List[float] = []
+    waits: List[Dict[str, float]] = []
+    turns = Turns()
 
     class TimedTrainLoader(TrainLoader):
         def __iter__(self):
             it = super().__iter__()
             while True:
+                if waits:
+                    turns.end()  # the previous step (and its logging) is over
+                turn = turns.begin()
                 t0 = time.perf_counter()
                 try:
                     batch = next(it)
                 except StopIteration:
                     return
-                waits.append(time.perf_counter() - t0)
+                waits.append({"turn": turn, "data": time.perf_counter() - t0})
                 yield batch
 
     data_pkg.TrainLoader = TimedTrainLoader  # what train.py imports from llama_train.data
@@ -416,7 +575,9 @@ def _hf_worker(spec_path: str) -> None:
     total = spec["warmup"] + spec["steps"]
     step_times, waits, losses = [], [], []
     it = iter(loader)
+    turns = Turns()
     for step in range(1, total + 1):
+        turns.begin()
         t0 = time.perf_counter()
         lr = lr_at(step, lr=o["lr"], warmup_steps=o["warmup_steps"], max_steps=total,
                    min_lr_ratio=o["min_lr_ratio"])
@@ -437,6 +598,7 @@ def _hf_worker(spec_path: str) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
         step_times.append(time.perf_counter() - t0)
+        turns.end()
     close = getattr(loader, "close", None)
     if close:
         close()
@@ -504,6 +666,7 @@ def profile(args: argparse.Namespace, top: int) -> str:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     rt = eng.detect_runtime(device_name)
     eng.init_distributed(rt, cfg.comm)
+    remove_ds_shm(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 1)  # mapped: safe
     margs = cfg.model
     torch.manual_seed(cfg.trainer.seed)
     model = Transformer(margs)
@@ -572,6 +735,9 @@ def summarize_side(runs: List[dict], tokens_per_step: int, fpt: float, peaks: di
         "data_wait_s": _median(waits),
         "data_wait_share": (_median(waits) / med) if waits else None,
         "loss_step1": runs[0]["losses"][0],
+        # step 1 pays one-off costs (allocations; with --compile the compilation itself)
+        "step1_s_median": _median([r["warmup_step_times"][0] for r in runs
+                                   if r["warmup_step_times"]]),
         "mem_gb": max(r["mem_gb"] for r in runs),
         "wall_s_per_run": _median([r["wall_s"] for r in runs]),
     }
@@ -599,7 +765,8 @@ def build_report(args, device: str, precision: str, model_args, fpt: float, peak
                      "seq_len": args.seq_len, "tokens_per_step": tokens_per_step,
                      "precision": precision, "zero_stage": args.zero_stage,
                      "compile": args.compile, "steps": args.steps, "warmup": args.warmup,
-                     "rounds": args.rounds, "data_num_workers": num_workers,
+                     "rounds": args.rounds, "interleave": args.interleave,
+                     "data_num_workers": num_workers,
                      "overrides": list(args.override)},
         "model_args": asdict(model_args),
         "flops_per_token": fpt,
@@ -630,13 +797,15 @@ def format_table(r: dict) -> str:
     lines = [f"llama-bench train: {s['preset']}, {s['micro_batch']} x {s['seq_len']} tokens/step, "
              f"{s['precision']}, ZeRO-{s['zero_stage']}, {r['machine']['threads']} threads on "
              f"{r['machine']['device']}, {s['rounds']} rounds x {s['steps']} steps "
-             f"(+{s['warmup']} warm-up), compile={s['compile']}",
+             f"(+{s['warmup']} warm-up), interleaved by {s['interleave']}, "
+             f"compile={s['compile']}",
              f"FLOPs/token {r['flops_per_token']:.4g}; matmul peak: square 1024^3 "
              f"{r['peak_flops']['square_1024'] / 1e9:.1f} GFLOP/s, model shapes "
              f"{r['peak_flops']['model_shapes'] / 1e9:.1f} GFLOP/s",
              "",
              f"{'':6} {'step s (median)':>15} {'min':>7} {'tokens/s':>9} {'MFU':>6} "
-             f"{'MFU/shapes':>10} {'data wait':>10} {'loss@1':>8} {'mem GB':>7}  optimizer"]
+             f"{'MFU/shapes':>10} {'data wait':>10} {'step1 s':>8} {'loss@1':>8} {'mem GB':>7}"
+             "  optimizer"]
     for name in ("ours", "hf"):
         if name not in r:
             continue
@@ -646,7 +815,8 @@ def format_table(r: dict) -> str:
         opt = x.get("optimizer", "DeepSpeed engine")
         lines.append(f"{name:6} {x['step_time_s']['median']:15.4f} {x['step_time_s']['min']:7.4f} "
                      f"{x['tokens_per_s']:9.0f} {100 * x['mfu']:5.1f}% "
-                     f"{100 * x['mfu_vs_model_shapes']:9.1f}% {wait:>10} {x['loss_step1']:8.4f} "
+                     f"{100 * x['mfu_vs_model_shapes']:9.1f}% {wait:>10} "
+                     f"{x['step1_s_median'] or float('nan'):8.3f} {x['loss_step1']:8.4f} "
                      f"{x['mem_gb']:7.2f}  {opt}")
     if "ratio_ours_over_hf" in r:
         q = r["ratio_ours_over_hf"]
@@ -704,14 +874,12 @@ def run_bench(args: argparse.Namespace) -> dict:
         for r in range(args.rounds):
             peaks.append(measure_peaks(margs, args.micro_batch * args.seq_len, device, precision,
                                        args.threads))
-            if args.only in (None, "ours"):
-                ours.append(run_ours(args, overrides, work / f"ours-{r}", env))
-                _progress(f"round {r + 1}/{args.rounds} ours: "
-                          f"{statistics.median(ours[-1]['step_times']):.4f} s/step")
-            if args.only in (None, "hf"):
-                hf.append(run_hf(args, spec, work / f"hf-{r}", env))
-                _progress(f"round {r + 1}/{args.rounds} hf:   "
-                          f"{statistics.median(hf[-1]['step_times']):.4f} s/step")
+            res = run_round(args, overrides, spec, work, r, env)
+            for name, runs in (("ours", ours), ("hf", hf)):
+                if name in res:
+                    runs.append(res[name])
+            _progress(f"round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{n} {statistics.median(x['step_times']):.4f} s/step" for n, x in res.items()))
         torch.set_num_threads(args.threads)
         loader = measure_loader(prepared.dir, args.seq_len, args.micro_batch, cfg.data.seed,
                                 cfg.data.num_workers)
