@@ -8,6 +8,9 @@ STAMP  := $(VENV)/.installed
 
 export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 export PYTHONUNBUFFERED := 1
+# DeepSpeed JIT-builds a CPU comm op on first use; keep its build with this checkout's venv so two
+# checkouts never rebuild each other's copy.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: setup train test clean
 

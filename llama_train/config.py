@@ -60,6 +60,9 @@ class TrainerConfig:
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False  # torch.compile each transformer block
+    # Peak FLOP/s per device for MFU. None: the datasheet bf16 figure on known GPUs, else a matmul
+    # measured at start-up (which reads low, so MFU high, if the machine is busy at that moment).
+    peak_flops: Optional[float] = None
     sample_prompt: str = "The"
     sample_tokens: int = 64
     sample_temperature: float = 0.8
@@ -222,6 +225,8 @@ def validate(cfg: Config, world_size: int, device: str) -> BatchPlan:
         raise ConfigError(
             f"trainer.resume={t.resume!r} is neither 'auto', 'never' nor an existing checkpoint path."
         )
+    if t.peak_flops is not None and t.peak_flops <= 0:
+        raise ConfigError(f"trainer.peak_flops={t.peak_flops} must be > 0 or null (measure).")
     if t.steps_this_run is not None and t.steps_this_run <= 0:
         raise ConfigError(f"trainer.steps_this_run={t.steps_this_run} must be > 0 or null.")
     if t.init_from is not None and not os.path.exists(t.init_from):

@@ -431,7 +431,7 @@ def shape_for_params(
     *,
     count: str = "total",
     tie_embeddings: bool = False,
-    tolerance: float = 0.05,
+    tolerance: float = 0.02,
 ) -> "ModelArgs":
     """A LLaMA-shaped ``ModelArgs`` whose ``count_params(...)[count]`` is within ``tolerance`` of n_params.
 

@@ -67,8 +67,10 @@ def apply_scaling(cfg: Config) -> None:
         if not s.params or s.params <= 0:
             raise ConfigError("scaling.mode=fixed needs scaling.params > 0.")
         plan = {"n_params": s.params, "n_tokens": s.flops / (6 * s.params)}
+    # 5%: below ~1M parameters the shape grid (dim 64, whole layers) is coarse
     args = scaling.shape_for_params(plan["n_params"], vocab_size=vocab,
-                                    max_seq_len=max(cfg.trainer.seq_len, cfg.model.max_seq_len))
+                                    max_seq_len=max(cfg.trainer.seq_len, cfg.model.max_seq_len),
+                                    tolerance=0.05)
     for k, v in asdict(args).items():
         setattr(cfg.model, k, v)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -241,7 +243,7 @@ def train(cfg: Config) -> Dict[str, Any]:
 
     n_params = count_params(model_args)
     fpt = flops_per_token(model_args, t.seq_len)
-    peak = eng.peak_flops(rt.device, precision) * rt.world_size
+    peak = (t.peak_flops or eng.peak_flops(rt.device, precision)) * rt.world_size
     if rt.is_main:
         Path(t.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(t.output_dir) / "config.yaml").write_text(OmegaConf.to_yaml(run_config))

@@ -416,8 +416,13 @@ def test_activation_estimate_equals_saved_tensors(dtype, ckpt, kv):
         _, loss = model(tokens, targets)
     est = activation_memory(args, micro_batch=2, seq_len=64, dtype=dtype)
     assert est["checkpointing"] is ckpt
-    # everything but the 0-d loss scalar (4 bytes); "recompute" is the backward-time peak on top
-    assert sum(saved.values()) - 4 == est["layers"] + est["head"]
+    # everything but the 0-d loss scalar (4 bytes); "recompute" is the backward-time peak on top.
+    # The formula counts the activations; the faster RoPE (a complex multiply, which also saves
+    # its (T, hd/2) complex factor per call) and the fused loss (its (N,) mask) add a few KB that
+    # do not grow with width, so allow 1.5%.
+    measured = sum(saved.values()) - 4
+    expected = est["layers"] + est["head"]
+    assert expected <= measured <= expected * 1.015, (measured, expected)
     assert est["total"] == est["layers"] + est["recompute"] + est["head"]
 
 

@@ -61,6 +61,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for name in ("nprocs", "micro_batch", "seq_len"):
         if getattr(args, name) < 1:
             raise SystemExit(f"llama-bench memory: --{name.replace('_', '-')} must be >= 1")
+    from llama_train.model import load_preset
+
+    try:
+        margs = load_preset(args.preset)
+    except ValueError as e:
+        raise SystemExit(f"llama-bench memory: --preset: {e}") from None
+    if args.seq_len > margs.max_seq_len:
+        raise SystemExit(f"llama-bench memory: --seq-len={args.seq_len} exceeds the {args.preset} "
+                         f"preset's max_seq_len={margs.max_seq_len}")
     return args
 
 

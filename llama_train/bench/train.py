@@ -4,20 +4,25 @@
     llama-bench train --rounds 5 --steps 12 --json out.json
     llama-bench train --profile                         # top ops of one training step, then exit
 
-A/B, interleaved (A B A B ...) so that machine noise hits both alike:
+A/B over ``--rounds`` pairs of runs. By default (``--interleave step``) the two runs of a round
+live at once and their steps alternate under the bench's control (ours step 1, hf step 1, ours
+step 2, ...), so that a burst of load from other jobs hits both sides alike; ``--interleave run``
+runs one whole run after the other instead (A B A B ...).
 
 * **ours**: the real entry point, ``llama_train.train.main()`` (Hydra config, DeepSpeed engine, the
   loop of ``llama-train``), in its own process. Per-step times come from its ``metrics.jsonl``.
   The process runs through this module's ``--ours-worker`` mode, which only wraps
-  ``TrainLoader.__iter__`` to time each ``next(data_iter)`` (the loop does not expose it);
+  ``TrainLoader.__iter__`` to time each ``next(data_iter)`` (the loop does not expose it) and,
+  in lock step, to wait for its turn there (that wait is subtracted from the step time);
 * **hf**: ``transformers.LlamaForCausalLM`` of the same shape (``llama_train.hf.to_hf_config``) and
   the same initial weights, SDPA attention, in a plain PyTorch loop with AdamW (``fused=True`` where
   torch supports it), the same gradient clipping and lr schedule, fed by the same ``TrainLoader``
   (same batches: the step-1 losses of both must agree), same dtype and thread count.
 
 Both report the median of per-step times after ``--warmup`` discarded steps. MFU uses one FLOPs
-formula (``llama_train.model.flops_per_token``) and one matmul peak measured here, the same way
-``llama-train`` measures it (best of a square 1024^3 matmul); the achieved throughput of the
+formula (``llama_train.model.flops_per_token``) and one matmul peak measured here before each
+round, the way ``llama-train`` measures it (best of a square 1024^3 matmul; the max over rounds is
+used, a low reading under load would inflate MFU); the achieved throughput of the
 model's own matmul shapes (forward and both backward products) is reported beside it, because
 skinny shapes such as 2048 x 384 x 1024 run below the square peak.
 """
@@ -161,15 +166,27 @@ def train_overrides(args: argparse.Namespace, device: str, precision: str) -> Li
 
 
 def compose_config(overrides: List[str]):
-    """The ``Config`` llama-train builds from these overrides (same Hydra composition)."""
+    """The ``Config`` llama-train builds from these overrides (same Hydra composition).
+    Raises SystemExit naming the bad option (--preset or an --override)."""
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
 
+    from llama_train.model import list_presets
     from llama_train.paths import CONFIG_DIR
     from llama_train.train import load_config  # registers the structured schema
 
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        dcfg = compose("config", overrides=overrides)
-    return load_config(dcfg)
+    preset = next(o.split("=", 1)[1] for o in overrides if o.startswith("model="))
+    if preset not in list_presets():
+        raise SystemExit(f"llama-bench train: --preset {preset!r} is not a model preset: choose one "
+                         f"of {', '.join(list_presets())}")
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            dcfg = compose("config", overrides=overrides)
+        return load_config(dcfg)
+    except (HydraException, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit(f"llama-bench train: the llama-train config does not compose: {first} "
+                         f"(check --override values; overrides: {' '.join(overrides)})") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,6 +349,9 @@ class Side:
         return time.perf_counter() - self.t0
 
     def kill(self) -> None:
+        """Once: the process group goes (its pgid is never signalled again afterwards)."""
+        if self.fh.closed:
+            return
         for _ in range(2):  # the process, then children that outlived it (same session)
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -401,10 +421,6 @@ def read_ours(args, out: Path, wall: float) -> dict:
                               for s in range(1, args.warmup + 1)],
         "data_wait": [waits[s - 1]["data"] for s in measured],
         "losses": [by_step[s]["loss"] for s in range(1, total + 1)],
-        # llama-train's own MFU figure (its own peak), the turn wait taken out as well
-        "mfu_in_run": statistics.median(
-            by_step[s]["mfu"] * by_step[s]["step_time_s"]
-            / (by_step[s]["step_time_s"] - waits[s - 1]["turn"]) for s in measured),
         "mem_gb": max(by_step[s].get("mem_gb", 0.0) for s in measured),
         "wall_s": wall,
     }
@@ -666,7 +682,6 @@ def profile(args: argparse.Namespace, top: int) -> str:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     rt = eng.detect_runtime(device_name)
     eng.init_distributed(rt, cfg.comm)
-    remove_ds_shm(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 1)  # mapped: safe
     margs = cfg.model
     torch.manual_seed(cfg.trainer.seed)
     model = Transformer(margs)
@@ -741,10 +756,8 @@ def summarize_side(runs: List[dict], tokens_per_step: int, fpt: float, peaks: di
         "mem_gb": max(r["mem_gb"] for r in runs),
         "wall_s_per_run": _median([r["wall_s"] for r in runs]),
     }
-    for key in ("mfu_in_run", "optimizer"):
-        if key in runs[0]:
-            vals = [r[key] for r in runs]
-            side[key] = _median(vals) if key == "mfu_in_run" else vals[0]
+    if "optimizer" in runs[0]:
+        side["optimizer"] = runs[0]["optimizer"]
     return side
 
 
@@ -839,6 +852,7 @@ def format_table(r: dict) -> str:
 def run_bench(args: argparse.Namespace) -> dict:
     import torch
 
+    from llama_train.config import validate
     from llama_train.data import check_compatible, prepare_data
     from llama_train.model import flops_per_token
 
@@ -849,6 +863,10 @@ def run_bench(args: argparse.Namespace) -> dict:
     overrides = train_overrides(args, device, precision)
     cfg = compose_config(overrides + ["trainer.output_dir=."])
     margs = cfg.model
+    try:  # llama-train's own checks, before any process starts
+        validate(cfg, 1, device)
+    except ValueError as e:
+        raise SystemExit(f"llama-bench train: {e}") from None
     fpt = flops_per_token(margs, args.seq_len)
     prepared = prepare_data(cfg.data, vocab_size=margs.vocab_size)
     check_compatible(prepared.meta, margs.vocab_size, args.seq_len)
