@@ -18,6 +18,9 @@ costs nothing and is identical on any machine and numpy version.
 
 from __future__ import annotations
 
+import atexit
+import weakref
+
 import logging
 import os
 from typing import Iterator, Optional, Union
@@ -201,6 +204,15 @@ class TrainLoader:
             worker_init_fn=_ignore_stop_signals if num_workers > 0 else None,
         )
         self._generation = 0
+        if num_workers > 0:  # workers ignore SIGTERM, so they must be stopped before exit
+            atexit.register(_close_if_alive, weakref.ref(self))
+
+    def close(self) -> None:
+        """Stop the background workers (sentinel + join, not a signal: they ignore SIGTERM)."""
+        it = getattr(self._loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        self._loader._iterator = None
 
     # --- facts -----------------------------------------------------------------------------
     @property
@@ -348,3 +360,10 @@ def _ignore_stop_signals(_worker_id: int) -> None:
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _close_if_alive(ref) -> None:
+    """At exit, before multiprocessing terminates (SIGTERM) and joins its daemon children."""
+    loader = ref()
+    if loader is not None:
+        loader.close()
