@@ -1,8 +1,10 @@
 """Test environment: CPU DeepSpeed, offline hubs, a per-session cache for prepared data."""
 
+import glob
 import os
 import shutil
 import tempfile
+import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -12,6 +14,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.pop("WANDB_API_KEY", None)
 
 _SESSION_CACHE = None
+_SESSION_START = time.time()
 
 
 def pytest_configure(config):
@@ -24,3 +27,11 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _SESSION_CACHE:
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+    # Workers that start DeepSpeed without llama_train.engine (which unlinks them) leave its CPU
+    # all-reduce buffers (~66 MB each) in /dev/shm; remove the ones this session created.
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_*"):
+        try:
+            if os.stat(path).st_mtime >= _SESSION_START - 1:
+                os.unlink(path)
+        except OSError:
+            pass
