@@ -13,6 +13,21 @@ BENCHES = {
 }
 
 
+def emit(report: dict, json_arg, format_table) -> None:
+    """Print a benchmark's report: JSON on stdout for ``--json -``, else the table (and the JSON
+    file when ``--json PATH``)."""
+    import json
+    from pathlib import Path
+
+    if json_arg == "-":
+        print(json.dumps(report, indent=1))
+        return
+    print(format_table(report))
+    if json_arg:
+        Path(json_arg).write_text(json.dumps(report, indent=1))
+        print(f"wrote {json_arg}")
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in BENCHES:

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from llama_train.bench._memory_worker import CATEGORIES
 from llama_train.bench.train import remove_ds_shm
+from llama_train.bench import emit
 
 MB = 2**20
 
@@ -245,6 +246,7 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     try:
@@ -252,13 +254,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except RuntimeError as e:
         print(f"llama-bench memory: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    if args.json == "-":
-        print(json.dumps(report, indent=1))
-        return
-    print(format_table(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
+    emit(report, args.json, format_table)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
+from llama_train.bench import emit
 
 WAIT_FILE = "data_wait.json"
 
@@ -913,6 +914,7 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--ours-worker":  # hydra overrides follow, untouched by argparse
@@ -931,13 +933,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except RuntimeError as e:
         print(f"llama-bench train: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    if args.json == "-":
-        print(json.dumps(report, indent=1))
-        return
-    print(format_table(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
+    emit(report, args.json, format_table)
 
 
 if __name__ == "__main__":
