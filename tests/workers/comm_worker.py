@@ -13,6 +13,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from _lines import say
+
 from llama_train.comm import CommConfig, init_distributed, ring_all_reduce
 
 SIZES = [1, 2, 3, 5, 6, 7, 97, 1000, 4099]  # incl. numel < world and not divisible by 2 or 3
@@ -66,8 +68,8 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     total = torch.ones(1)
     dist.all_reduce(total)  # the probe the launch scripts are tested with
-    print(f"RANK {rank}/{world} node={os.environ.get('CROSS_RANK')}/{os.environ.get('CROSS_SIZE')} "
-          f"local_rank={os.environ.get('LOCAL_RANK')} all_reduce(1)={int(total.item())}", flush=True)
+    say(f"RANK {rank}/{world} node={os.environ.get('CROSS_RANK')}/{os.environ.get('CROSS_SIZE')} "
+        f"local_rank={os.environ.get('LOCAL_RANK')} all_reduce(1)={int(total.item())}")
 
     failures: list[str] = []
     if args.expect_world is not None and world != args.expect_world:
@@ -112,12 +114,11 @@ def main() -> int:
                 check_case(f"sub-group {members} size={size}", x, failures, group=sub)
 
     for f in failures:
-        print(f"rank {rank} FAIL {f}", file=sys.stderr, flush=True)
+        say(f"rank {rank} FAIL {f}", fd=2)
     bad = torch.tensor([len(failures)])
     dist.all_reduce(bad)
     if rank == 0:
-        print(f"COMM_WORKER {'FAILED' if bad.item() else 'OK'} world={world} failures={int(bad.item())}",
-              flush=True)
+        say(f"COMM_WORKER {'FAILED' if bad.item() else 'OK'} world={world} failures={int(bad.item())}")
     dist.barrier()
     dist.destroy_process_group()
     return 1 if bad.item() else 0

@@ -8,6 +8,8 @@ import torch
 
 sys.argv = [a for a in sys.argv if not a.startswith("--local_rank")]
 
+from _lines import say  # noqa: E402
+
 from llama_train import engine as eng  # noqa: E402
 from llama_train.comm import CommConfig  # noqa: E402
 from llama_train.config import BatchPlan, DeepSpeedConfig, OptimConfig  # noqa: E402
@@ -30,8 +32,8 @@ for stage in (1, 2, 3):
     engine.step()  # Adam moments exist only after the first step
     measured = eng.opt_state_bytes(engine)
     analytic = model_memory(args, stage, rt.world_size, dtype="fp32")["optimizer_states"]
-    print(json.dumps({"rank": rt.rank, "stage": stage, "measured": measured,
-                      "analytic": analytic}), flush=True)
+    say(json.dumps({"rank": rt.rank, "stage": stage, "measured": measured, "analytic": analytic}))
     engine.destroy()
     del engine, model
+torch.distributed.barrier()  # the store's host (rank 0) must not exit while a peer still uses it
 torch.distributed.destroy_process_group()
