@@ -215,14 +215,40 @@ def gathered_params(engine, stage: int):
 
 def peak_flops(device: torch.device, precision: str) -> float:
     """Peak FLOP/s for MFU: the datasheet dense bf16 figure on known GPUs, else a measured matmul."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        table = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
-                 "4090": 165e12, "V100": 125e12}
-        for key, value in table.items():
-            if key in name:
-                return value
+    datasheet = _datasheet_flops(device)
+    if datasheet is not None:
+        return datasheet
     return measure_matmul_flops(device, torch.float32 if precision == "fp32" else torch.bfloat16)
+
+
+class PeakFlops:
+    """The denominator of MFU, for the whole job (per-rank peak x world size).
+
+    A measured peak (CPU, unknown GPUs) is a matmul timed at start-up; on a machine that was busy
+    at that moment it reads low, and MFU comes out above 100%. So when the run beats a measured
+    peak, the matmul is timed again and the higher reading kept. Datasheet figures and
+    `trainer.peak_flops` are taken as given."""
+
+    def __init__(self, device: torch.device, precision: str, world_size: int,
+                 override: Optional[float] = None):
+        self.device, self.precision, self.world_size = device, precision, world_size
+        self.measured = override is None and _datasheet_flops(device) is None
+        self.value = (override or peak_flops(device, precision)) * world_size
+
+    def mfu(self, achieved: float) -> float:
+        if self.measured and achieved > self.value:
+            self.value = max(self.value, peak_flops(self.device, self.precision) * self.world_size)
+        return achieved / self.value
+
+
+def _datasheet_flops(device: torch.device) -> Optional[float]:
+    """Dense bf16 datasheet peak of a known GPU, else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    table = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
+             "4090": 165e12, "V100": 125e12}
+    return next((v for k, v in table.items() if k in name), None)
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32,

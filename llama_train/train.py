@@ -243,7 +243,7 @@ def train(cfg: Config) -> Dict[str, Any]:
 
     n_params = count_params(model_args)
     fpt = flops_per_token(model_args, t.seq_len)
-    peak = (t.peak_flops or eng.peak_flops(rt.device, precision)) * rt.world_size
+    peak = eng.PeakFlops(rt.device, precision, rt.world_size, t.peak_flops)
     if rt.is_main:
         Path(t.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(t.output_dir) / "config.yaml").write_text(OmegaConf.to_yaml(run_config))
@@ -253,7 +253,7 @@ def train(cfg: Config) -> Dict[str, Any]:
                  "batch %d x %d tokens; ZeRO-%d %s on %s; peak %.3g FLOP/s",
                  f"{n_params['total']:,}", f"{n_params['non_embedding']:,}", rt.world_size,
                  plan.micro_batch, plan.grad_accum, plan.global_batch, plan.seq_len,
-                 cfg.deepspeed.zero_stage, precision, rt.device_type, peak)
+                 cfg.deepspeed.zero_stage, precision, rt.device_type, peak.value)
 
     def save(at_step: int) -> Path:
         t0 = time.perf_counter()
@@ -402,7 +402,7 @@ def train(cfg: Config) -> Dict[str, Any]:
             metrics = {
                 "loss": step_loss, "lr": lr,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "tokens": tokens, "tokens_per_s": tps, "mfu": fpt * tps / peak,
+                "tokens": tokens, "tokens_per_s": tps, "mfu": peak.mfu(fpt * tps),
                 "step_time_s": dt, "skipped_steps": skipped_total,
                 **eng.memory_stats(rt.device),
             }
