@@ -247,7 +247,7 @@ def test_idempotent_rerun_is_fast_and_untouched(tmp_path, files, tok_path):
     mtime = shard.stat().st_mtime_ns
     t0 = time.perf_counter()
     again = prepare_data(c, VOCAB)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 5.0  # generous for a loaded CI machine; a re-tokenize takes far longer
     assert (first.created, again.created) == (True, False)
     assert again.dir == first.dir and again.meta == first.meta
     assert shard.stat().st_mtime_ns == mtime
