@@ -37,6 +37,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # works from a checkout without an install too
+
+from llama_train.proc import kill_session  # noqa: E402
 
 
 def _free_port() -> int:
@@ -74,15 +77,7 @@ class Job:
         return self.proc.poll() is None
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        try:  # ranks outliving the launcher are in the same group
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_session(self.proc)
         self.fh.close()
 
     def wait(self, timeout: float) -> int:
@@ -184,7 +179,6 @@ def run_trial(i: int, trials_left: int, mode: str, rng: random.Random, launcher,
 
 
 def compare(ref: Path, out: Path) -> Dict[str, object]:
-    sys.path.insert(0, str(REPO))
     import torch
 
     from llama_train.checkpoint import find_latest, load_consolidated, read_state
@@ -214,6 +208,17 @@ def compare(ref: Path, out: Path) -> Dict[str, object]:
                   state_identical=all(ra.get(k) == rb.get(k) for k in keys)
                   and ra["data"]["consumed_samples"] == rb["data"]["consumed_samples"])
     return result
+
+
+def run_to_end(what: str, launcher: List[str], overrides: List[str], out: Path, log: Path,
+               timeout: float) -> bool:
+    """One uninterrupted launch; False (and a message naming its log) when it fails."""
+    job = Job(launcher, overrides, out, log)
+    _RUNNING[:] = [job]
+    rc = job.wait(timeout)
+    if rc != 0:
+        print(f"fault_inject: {what} failed (exit {rc}); see {log}", file=sys.stderr)
+    return rc == 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -247,12 +252,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ref = a.reference
     if ref is None:
         ref = a.workdir / "reference"
-        job = Job(launcher, a.overrides, ref, a.workdir / "reference.log")
-        _RUNNING[:] = [job]
-        rc = job.wait(a.timeout)
-        if rc != 0:
-            print(f"fault_inject: the reference run failed (exit {rc}); see "
-                  f"{a.workdir / 'reference.log'}", file=sys.stderr)
+        if not run_to_end("the reference run", launcher, a.overrides, ref,
+                          a.workdir / "reference.log", a.timeout):
             return 2
     max_steps = max(logged_losses(ref), default=0)
     if max_steps < 2:
@@ -270,12 +271,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                           max_steps, a.timeout)
         trials.append(trial)
         print(json.dumps(trial), file=sys.stderr, flush=True)
-    final = Job(launcher, a.overrides, out, a.workdir / "final.log")
-    _RUNNING[:] = [final]
-    rc = final.wait(a.timeout)
-    if rc != 0:
-        print(f"fault_inject: the final resume failed (exit {rc}); see "
-              f"{a.workdir / 'final.log'}", file=sys.stderr)
+    if not run_to_end("the final resume", launcher, a.overrides, out, a.workdir / "final.log",
+                      a.timeout):
         return 2
     result = compare(ref, out)
     identical = (not result["loss_steps_differing"] and result.get("weights_identical", False)

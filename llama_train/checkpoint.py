@@ -400,8 +400,6 @@ def _universal_info() -> Dict[str, Any]:
 def prepare_universal(ckpt: Path, rank: int) -> Path:
     """Convert a ZeRO checkpoint to DeepSpeed's universal format (once, by rank 0), so it can be
     loaded on a different data-parallel world size."""
-    import torch.distributed as dist
-
     out = ckpt / UNIVERSAL_TAG
     error = None
     if rank == 0 and not (out / "zero").is_dir():

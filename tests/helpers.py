@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +11,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from llama_train.proc import kill_session
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -70,17 +71,7 @@ def spawn(cmd: List[str], log: Path, env: Optional[Dict[str, str]] = None):
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
-        # children that outlived the launcher (same session) go too
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_session(proc)
         fh.close()
 
 

@@ -11,8 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch

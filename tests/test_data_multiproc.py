@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
 from llama_train.data import TrainLoader
+
+from llama_train.proc import kill_session
+
+from helpers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -57,21 +60,23 @@ RANK = textwrap.dedent("""
 """)
 
 
-def _run_group(cmds, env):
+@contextmanager
+def _group(cmds, env):
     """Start processes in their own sessions; always kill the whole groups."""
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True) for c in cmds]
-    return procs
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            kill_session(p)
 
 
-def _kill(procs):
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.wait()
+def _communicate(cmd, env, timeout):
+    """Run one command to its end (killed with its group whatever happens): (rc, stdout, stderr)."""
+    with _group([cmd], env) as (proc,):
+        out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
 
 
 @pytest.mark.slow
@@ -81,8 +86,7 @@ def test_two_processes_prepare_once(tmp_path):
     env = {**os.environ, "LLAMA_TRAIN_CACHE": str(tmp_path / "cache"), "HF_DATASETS_CACHE": str(tmp_path / "hf")}
     go = tmp_path / "go"
     cmds = [[sys.executable, "-c", PREPARE, str(src), str(go), str(tmp_path / f"ready{i}")] for i in range(2)]
-    procs = _run_group(cmds, env)
-    try:
+    with _group(cmds, env) as procs:
         deadline = time.time() + 60
         while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
             assert time.time() < deadline and all(p.poll() is None for p in procs), "workers did not start"
@@ -93,8 +97,6 @@ def test_two_processes_prepare_once(tmp_path):
             out, err = p.communicate(timeout=120)
             assert p.returncode == 0, err
             outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        _kill(procs)
     assert outs[0]["dir"] == outs[1]["dir"] and outs[0]["sha"] == outs[1]["sha"]
     assert sorted(o["created"] for o in outs) == [False, True], outs
     cache = tmp_path / "cache"
@@ -109,18 +111,12 @@ def test_deepspeed_ranks_prepare_and_split_the_stream(tmp_path):
     script.write_text(RANK)
     out = tmp_path / "out"
     out.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LLAMA_TRAIN_CACHE": str(tmp_path / "cache"),
            "HF_DATASETS_CACHE": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
     cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(script), str(src), str(out)]
-    procs = _run_group([cmd], env)
-    try:
-        stdout, stderr = procs[0].communicate(timeout=300)
-    finally:
-        _kill(procs)
-    assert procs[0].returncode == 0, stdout[-3000:] + stderr[-3000:]
+    rc, stdout, stderr = _communicate(cmd, env, timeout=300)
+    assert rc == 0, stdout[-3000:] + stderr[-3000:]
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     assert ranks[0]["dir"] == ranks[1]["dir"]
     assert sorted(r["created"] for r in ranks) == [False, True]
@@ -154,11 +150,8 @@ def test_unguarded_script_with_workers_fails_clearly_not_deadlocks(tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED)
     env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "hf")}
-    procs = _run_group([[sys.executable, str(script), str(src), str(tmp_path / "prep")]], env)
-    try:
-        out, err = procs[0].communicate(timeout=120)
-    finally:
-        _kill(procs)
-    assert procs[0].returncode == 3, out + err
+    rc, out, err = _communicate([sys.executable, str(script), str(src), str(tmp_path / "prep")], env,
+                                timeout=120)
+    assert rc == 3, out + err
     assert "__main__" in out and "num_proc=1" in out
     assert not (tmp_path / "prep").exists()

@@ -7,7 +7,6 @@ from dataclasses import fields, replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from llama_train.model import (

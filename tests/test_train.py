@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, free_port, launcher_cmd, losses, metrics, run, spawn, tail, train, TINY
+from helpers import REPO, free_port, losses, metrics, run, spawn, tail, train, TINY
 
 TOL = 2e-4
 pytestmark = pytest.mark.slow

@@ -28,6 +28,16 @@ def emit(report: dict, json_arg, format_table) -> None:
         print(f"wrote {json_arg}")
 
 
+def report_or_exit(name: str, make_report, args, format_table) -> None:
+    """Run a benchmark and print its report; a failure it can explain exits 1 with its message."""
+    try:
+        report = make_report(args)
+    except RuntimeError as e:
+        print(f"llama-bench {name}: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    emit(report, args.json, format_table)
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in BENCHES:

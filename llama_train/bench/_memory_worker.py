@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -154,6 +151,7 @@ def main(argv=None) -> None:
     from llama_train.config import DeepSpeedConfig, OptimConfig, TrainerConfig, resolve_batch
     from llama_train.model import Transformer, count_params, load_preset
     from llama_train.optim import param_groups
+    from llama_train.proc import exit_skipping_teardown
 
     rt = eng.detect_runtime("cpu")
     eng.init_distributed(rt, CommConfig())
@@ -215,12 +213,7 @@ def main(argv=None) -> None:
     (out / f"rank{rt.rank}.json").write_text(json.dumps(result, indent=1))
     dist.barrier()
     dist.destroy_process_group()
-    # Skip interpreter teardown: DeepSpeed's ZeRO-3 leaves C++ threads that sometimes abort
-    # the process at exit ("terminate called without an active exception") after the results
-    # are written, which would fail the whole stage.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_skipping_teardown(0)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +28,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from llama_train.bench._memory_worker import CATEGORIES
 from llama_train.bench.train import remove_ds_shm
-from llama_train.bench import emit
+from llama_train.bench import report_or_exit
+from llama_train.proc import kill_session
 
 MB = 2**20
 
@@ -101,12 +101,7 @@ def run_stage(args: argparse.Namespace, stage: int, out: Path) -> List[dict]:
         except subprocess.TimeoutExpired:
             rc = None
         finally:
-            for _ in range(2):  # the launcher, then ranks that outlived it (same session)
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                proc.wait()
+            kill_session(proc)
             remove_ds_shm("127.0.0.1", port, args.nprocs)
     files = sorted(out.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
     if rc != 0 or len(files) != args.nprocs:
@@ -249,12 +244,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
-    try:
-        report = run(args)
-    except RuntimeError as e:
-        print(f"llama-bench memory: error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    emit(report, args.json, format_table)
+    report_or_exit("memory", run, args, format_table)
 
 
 if __name__ == "__main__":

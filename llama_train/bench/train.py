@@ -36,7 +36,6 @@ import os
 import platform
 import select
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -45,7 +44,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
-from llama_train.bench import emit
+from llama_train.bench import report_or_exit
+from llama_train.proc import kill_session
 
 WAIT_FILE = "data_wait.json"
 
@@ -353,12 +353,7 @@ class Side:
         """Once: the process group goes (its pgid is never signalled again afterwards)."""
         if self.fh.closed:
             return
-        for _ in range(2):  # the process, then children that outlived it (same session)
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            self.proc.wait()
+        kill_session(self.proc)
         for fd in (self.go_w, self.done_r):
             if fd is not None:
                 try:
@@ -928,12 +923,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.profile is not None:
         print(profile(args, args.profile))
         return
-    try:
-        report = run_bench(args)
-    except RuntimeError as e:
-        print(f"llama-bench train: error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    emit(report, args.json, format_table)
+    report_or_exit("train", run_bench, args, format_table)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,30 @@
+"""Child jobs started in their own session (``start_new_session=True``), so one signal reaches
+the launcher and every rank it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the process's whole group (ranks that outlived the launcher too), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def exit_skipping_teardown(code: int = 0) -> None:
+    """Flush stdio and exit without interpreter teardown.
+
+    For processes that built DeepSpeed ZeRO-3 engines by hand (the memory bench's and the tests'
+    workers): ZeRO-3 can leave C++ threads that abort the process during teardown ("terminate
+    called without an active exception", exit -6) after every result is written, and the
+    launcher then fails the whole job. Seen on CI and in the bench, not reproduced on demand."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
