@@ -1,4 +1,5 @@
-# Two commands: `make train` and `make test`. Each creates .venv on first use.
+# Two commands: `make train` and `make test` (`make test-fast`: the in-process tier). Each
+# creates .venv on first use.
 PYTHON ?= python3
 VENV   ?= .venv
 # CPU wheel on CI-like machines; set TORCH_SPEC to keep/choose a CUDA build on GPU machines.
@@ -12,7 +13,7 @@ export PYTHONUNBUFFERED := 1
 # checkouts never rebuild each other's copy.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: setup train test clean
+.PHONY: setup train test test-fast clean
 
 setup: $(STAMP)
 
@@ -27,6 +28,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The edit-test loop: everything in one process (no launcher), the loop included (< 1 min).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -29,7 +29,6 @@ import random
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,13 +38,7 @@ from typing import Dict, List, Optional
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # works from a checkout without an install too
 
-from llama_train.proc import kill_session  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from llama_train.proc import free_port, kill_session  # noqa: E402
 
 
 def _env() -> Dict[str, str]:
@@ -244,7 +237,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("--trials must be >= 1")
     launcher = (shlex.split(a.launcher) if a.launcher else
                 [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(a.nprocs),
-                 "--master_port", str(_free_port()), "--module", "llama_train.train"])
+                 "--master_port", str(free_port()), "--module", "llama_train.train"])
     a.workdir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(a.seed)
     t_start = time.monotonic()

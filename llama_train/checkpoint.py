@@ -20,7 +20,7 @@ A save that fails on any rank fails on all of them, removes its partial director
 Untrusted files: the manifest's sha256 is checked before anything in a checkpoint is unpickled,
 and every ``torch.load`` of a checkpoint (DeepSpeed's own included) runs with torch's restricted
 ``weights_only`` unpickler, allowing only three plain DeepSpeed value classes
-(:func:`restricted_torch_load`).
+(:func:`llama_train.engine.restricted_loads`).
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ import logging
 import os
 import random
 import shutil
-import subprocess
-import sys
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+
+from llama_train.engine import consolidate_fp32, convert_to_universal
+from llama_train.util import fsync_dir, fsync_tree
 
 log = logging.getLogger("llama_train")
 
@@ -51,6 +51,16 @@ UNIVERSAL_TAG = "universal"
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class SaveFaults:
+    """Where a save can be made to fail on purpose (see llama_train.faults); here: never."""
+
+    def check_mkdir(self, step: int, rank: int, path: Path) -> None:
+        return None
+
+    def failing_writes(self, step: int, rank: int):
+        return contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,100 +100,6 @@ def _sha256(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def _fsync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    for d in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _hold_io_errors(engine, held: List[BaseException]) -> Iterator[None]:
-    """Around ``engine.save_checkpoint``: DeepSpeed's file writes (its checkpoint engine's
-    ``save``/``makedirs`` and the copy of its recovery scripts) record their exception in
-    ``held`` instead of raising, and write nothing after the first one, while DeepSpeed's
-    barriers still run on every rank."""
-    targets = [(getattr(engine, "checkpoint_engine", None), "save"),
-               (getattr(engine, "checkpoint_engine", None), "makedirs"),
-               (engine, "_copy_recovery_script")]
-    patched = []
-    for obj, name in targets:
-        fn = getattr(obj, name, None) if obj is not None else None
-        if fn is None or name in vars(obj):
-            continue
-
-        def guarded(*args, _fn=fn, **kwargs):
-            if held:
-                return None
-            try:
-                return _fn(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - reported after DeepSpeed returns
-                held.append(e)
-                return None
-
-        setattr(obj, name, guarded)  # an instance attribute shadows the method
-        patched.append((obj, name))
-    try:
-        yield
-    finally:
-        for obj, name in patched:
-            delattr(obj, name)
-
-
-# ----------------------------------------------------------------------------------------------
-# Untrusted checkpoint files: tensors only, never arbitrary pickled objects
-
-
-def _deepspeed_safe_globals() -> List[Any]:
-    """The non-tensor classes DeepSpeed pickles into its checkpoint files (ZeRO 0-3, fp32/bf16/
-    fp16, with or without offload): plain value holders, safe to rebuild."""
-    out: List[Any] = []
-    for module, names in (("deepspeed.runtime.zero.config", ["ZeroStageEnum"]),
-                          ("deepspeed.utils.tensor_fragment", ["fragment_address"]),
-                          ("deepspeed.runtime.fp16.loss_scaler",
-                           ["LossScaler", "DynamicLossScaler"])):
-        try:
-            mod = __import__(module, fromlist=names)
-        except ImportError:
-            continue
-        out += [getattr(mod, n) for n in names if hasattr(mod, n)]
-    return out
-
-
-@contextlib.contextmanager
-def restricted_torch_load() -> Iterator[None]:
-    """Inside: every ``torch.load`` (DeepSpeed's included, which asks for ``weights_only=False``)
-    uses torch's restricted unpickler, extended only by :func:`_deepspeed_safe_globals`. A file
-    that smuggles in any other object fails to load instead of running code."""
-    real_load = torch.load
-    allowed = _deepspeed_safe_globals()
-
-    def load(*args, **kwargs):
-        kwargs["weights_only"] = True
-        with torch.serialization.safe_globals(allowed):
-            return real_load(*args, **kwargs)
-
-    torch.load = load
-    try:
-        yield
-    finally:
-        torch.load = real_load
 
 
 def write_manifest(ckpt: Path, checksums: bool) -> Dict[str, Any]:
@@ -246,8 +162,9 @@ class CheckpointManager:
     """Saves and finds checkpoints; every rank calls ``save`` (DeepSpeed writes shards per rank)."""
 
     def __init__(self, output_dir: str, keep_last: int, checksums: bool, rank: int,
-                 world_size: int):
+                 world_size: int, faults: Optional["SaveFaults"] = None):
         self.root = Path(output_dir) / "checkpoints"
+        self.faults = faults if faults is not None else SaveFaults()
         self.keep_last = keep_last
         self.checksums = checksums
         self.rank = rank
@@ -260,9 +177,7 @@ class CheckpointManager:
         and the earlier checkpoints are left untouched."""
         import torch.distributed as dist
 
-        from llama_train.faults import FaultPlan
-
-        faults = FaultPlan.from_env()
+        faults = self.faults
         name = f"step_{step:08d}"
         final, tmp = self.root / name, self.root / f".tmp-{name}"
         error: Optional[str] = None
@@ -278,16 +193,8 @@ class CheckpointManager:
         error = _agree(error)
         if error is None:
             try:
-                held: List[BaseException] = []
                 with faults.failing_writes(step, self.rank):
-                    # DeepSpeed's save has barriers between its writes: a write that raised on
-                    # one rank would leave the ranks in different collectives. Hold the error
-                    # until DeepSpeed returns, so all ranks reach the agreement below together.
-                    with _hold_io_errors(engine, held):
-                        engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False,
-                                               client_state=_universal_info())
-                    if held:
-                        raise held[0]
+                    engine.save(str(tmp), DS_TAG)  # holds an I/O error until all ranks return
                     (tmp / "ranks").mkdir(exist_ok=True)
                     torch.save(rank_state, tmp / "ranks" / f"rank_{self.rank:05d}.pt")
             except Exception as e:  # noqa: BLE001 - disk full, permissions, ...
@@ -297,13 +204,13 @@ class CheckpointManager:
             try:
                 (tmp / STATE).write_text(json.dumps(trainer_state, indent=1))
                 self._describe(tmp, describe)
-                _fsync_tree(tmp)
+                fsync_tree(tmp)
                 write_manifest(tmp, self.checksums)
-                _fsync_tree(tmp)
+                fsync_tree(tmp)
                 if final.exists():  # an older run's checkpoint of the same step
                     shutil.rmtree(final)
                 os.rename(tmp, final)
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
             except Exception as e:  # noqa: BLE001
                 error = f"rank 0: {type(e).__name__}: {e}"
         error = _agree(error)
@@ -376,25 +283,12 @@ class CheckpointManager:
     def load(self, engine, ckpt: Path, universal: bool) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         """Restore engine (weights, optimizer, scheduler) and return (trainer_state, rank_state)."""
         tag = UNIVERSAL_TAG if universal else DS_TAG
-        with restricted_torch_load():
-            load_path, _ = engine.load_checkpoint(str(ckpt), tag=tag, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
-        if load_path is None:
+        if not engine.load(str(ckpt), tag):
             raise CheckpointError(f"DeepSpeed could not load {ckpt}/{tag}")
         state = read_state(ckpt)
         rank_file = ckpt / "ranks" / f"rank_{self.rank:05d}.pt"
         rank_state = torch.load(rank_file, weights_only=True) if rank_file.exists() else {}
         return state, rank_state
-
-
-def _universal_info() -> Dict[str, Any]:
-    """What ds_to_universal needs to re-partition our (tensor-parallel-free) model."""
-    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO,
-                                                UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
-
-    return {UNIVERSAL_CHECKPOINT_INFO: {
-        UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
 
 
 def prepare_universal(ckpt: Path, rank: int) -> Path:
@@ -405,12 +299,8 @@ def prepare_universal(ckpt: Path, rank: int) -> Path:
     if rank == 0 and not (out / "zero").is_dir():
         tmp = ckpt / ".universal.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        cmd = [sys.executable, "-c", "from llama_train.checkpoint import _ds_to_universal_main; "
-               "_ds_to_universal_main()", "--input_folder", str(ckpt / DS_TAG),
-               "--output_folder", str(tmp), "--num_extract_workers", "1",
-               "--num_merge_workers", "1"]
         log.info("converting %s to a universal checkpoint for a new world size", ckpt)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = convert_to_universal(ckpt / DS_TAG, tmp)
         if proc.returncode != 0:
             error = f"ds_to_universal failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
         else:
@@ -419,15 +309,6 @@ def prepare_universal(ckpt: Path, rank: int) -> Path:
     if error:
         raise CheckpointError(error)
     return out
-
-
-def _ds_to_universal_main() -> None:
-    """DeepSpeed's ds_to_universal, with its torch.load calls restricted (see
-    :func:`restricted_torch_load`); its worker processes are forked and inherit that."""
-    from deepspeed.checkpoint import ds_to_universal
-
-    with restricted_torch_load():
-        ds_to_universal.main(ds_to_universal.parse_arguments())
 
 
 def _space_note(root: Path, previous: Optional[Path]) -> str:
@@ -481,19 +362,7 @@ def load_consolidated(ckpt_dir: str):
         raise CheckpointError(f"checkpoint {path} does not verify: {reason}")
     state = read_state(path)
     args = ModelArgs(**json.loads((path / "model_args.json").read_text()))
-    if state.get("zero_stage", 0) == 0:
-        files = sorted((path / DS_TAG).glob("mp_rank_*_model_states.pt"))
-        with restricted_torch_load():
-            sd = torch.load(files[0], map_location="cpu")["module"]
-    else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        with restricted_torch_load():
-            sd = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DS_TAG)
+    sd = consolidate_fp32(path, DS_TAG, state.get("zero_stage", 0))
     sd = {k.removeprefix("module.").replace("_orig_mod.", ""): v.float() for k, v in sd.items()}
     tok = path / "tokenizer.model"
     return args, sd, (str(tok) if tok.exists() else None)
-
-
-def model_args_dict(args) -> Dict[str, Any]:
-    return asdict(args)

@@ -1,14 +1,15 @@
 """Structured Hydra configs: one dataclass per config group, registered in the ConfigStore.
 
 Each YAML file under ``configs/<group>/`` is merged onto its dataclass, so an unknown key or a
-wrong type fails while Hydra composes the config, before any process group starts. Semantic
-checks that need several groups at once (batch arithmetic, ZeRO/offload/precision combinations)
-live in :func:`validate`, which the entry point calls before touching the network.
+wrong type fails while Hydra composes the config, and each dataclass checks its own values in
+``__post_init__`` when :func:`load_config` builds it, with a message that names the key and the
+fix. The few checks that need several groups at once (batch arithmetic against the world size,
+sequence length against the model, precision against the device) are :func:`validate`. All of
+it runs before any process group starts.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -23,6 +24,20 @@ from llama_train.model import ModelArgs
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the fix."""
+
+
+def _check_positive(section: str, obj: Any, names: List[str], allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        bad = value < 0 if allow_zero else value <= 0
+        if value is None or bad:
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ConfigError(f"{section}.{name}={value} must be {bound}.")
+
+
+def _check_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} must be one of {', '.join(map(str, choices))}.")
 
 
 @dataclass
@@ -40,9 +55,21 @@ class OptimConfig:
     decay_norms_and_biases: bool = False
     decay_embeddings: bool = False
 
+    def __post_init__(self) -> None:
+        _check_positive("optim", self, ["lr", "eps"])
+        _check_positive("optim", self, ["warmup_steps", "weight_decay", "grad_clip"],
+                        allow_zero=True)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"optim.{name}={getattr(self, name)} must be in [0, 1).")
+
 
 @dataclass
 class TrainerConfig:
+    """The loop: how long, how big a batch, how often to log, evaluate and save, where."""
+
     output_dir: str = "outputs/llama-train"
     max_steps: int = 200
     seq_len: int = 256
@@ -63,22 +90,55 @@ class TrainerConfig:
     # Peak FLOP/s per device for MFU. None: the datasheet bf16 figure on known GPUs, else a matmul
     # measured at start-up (which reads low, so MFU high, if the machine is busy at that moment).
     peak_flops: Optional[float] = None
-    sample_prompt: str = "The"
-    sample_tokens: int = 64
-    sample_temperature: float = 0.8
-    sample_top_k: Optional[int] = 40
-    # Fault handling: a non-finite loss/gradient skips the step; after `max_bad_steps` in a row
-    # or a loss above `spike_factor` x the running mean, roll back to the last good checkpoint
-    # and skip the offending data window.
+    verify_checksums: bool = True  # sha256 of checkpoint files on save and before resume
+
+    def __post_init__(self) -> None:
+        _check_positive("trainer", self, ["max_steps", "seq_len", "micro_batch", "log_every",
+                                          "eval_every", "save_every", "keep_last",
+                                          "eval_batches"])
+        if self.resume not in ("auto", "never") and not os.path.exists(self.resume):
+            raise ConfigError(f"trainer.resume={self.resume!r} is neither 'auto', 'never' nor an "
+                              f"existing checkpoint path.")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise ConfigError(f"trainer.peak_flops={self.peak_flops} must be > 0 or null "
+                              f"(measure).")
+        if self.steps_this_run is not None and self.steps_this_run <= 0:
+            raise ConfigError(f"trainer.steps_this_run={self.steps_this_run} must be > 0 or null.")
+        if self.init_from is not None and not os.path.exists(self.init_from):
+            raise ConfigError(
+                f"trainer.init_from={self.init_from!r} does not exist: give a Hugging Face Llama "
+                f"directory or a .pt written by llama-import."
+            )
+        _check_choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class RecoveryConfig:
+    """Fault policy: a non-finite loss or gradient skips the step; after ``max_bad_steps`` in a
+    row, a loss above ``spike_factor`` x the running mean, or a non-finite step that was applied,
+    roll back to the newest checkpoint of this run and skip the offending data window."""
+
     max_bad_steps: int = 3
     spike_factor: float = 0.0  # 0 disables spike detection
     spike_warmup_steps: int = 20
     max_rollbacks: int = 3
-    verify_checksums: bool = True  # sha256 of checkpoint files on save and before resume
-    fail_at_step: Optional[int] = None  # testing: os._exit at this step (fault injection)
-    # testing: inject a NaN loss into these global batches of the data stream (1-based; equal to
-    # the step number until a rollback skips data)
-    nan_at_steps: List[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_positive("recovery", self, ["max_bad_steps", "spike_factor", "spike_warmup_steps",
+                                           "max_rollbacks"], allow_zero=True)
+
+
+@dataclass
+class SampleConfig:
+    """The text sample generated at the end of a run."""
+
+    prompt: str = "The"
+    tokens: int = 64  # 0: no sample
+    temperature: float = 0.8
+    top_k: Optional[int] = 40
+
+    def __post_init__(self) -> None:
+        _check_positive("sample", self, ["tokens", "temperature"], allow_zero=True)
 
 
 @dataclass
@@ -97,6 +157,21 @@ class DeepSpeedConfig:
     stage3_param_persistence_threshold: int = 100_000
     steps_per_print: int = 1_000_000  # our logger prints; keep DeepSpeed's own quiet
 
+    def __post_init__(self) -> None:
+        _check_choice("deepspeed.zero_stage", self.zero_stage, (0, 1, 2, 3))
+        _check_choice("deepspeed.precision", self.precision, ("auto", "bf16", "fp16", "fp32"))
+        if self.offload_params and self.zero_stage != 3:
+            raise ConfigError(
+                f"deepspeed.offload_params=true needs deepspeed.zero_stage=3 (got "
+                f"{self.zero_stage}): parameter offload only exists in ZeRO-3."
+            )
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ConfigError(
+                "deepspeed.offload_optimizer=true needs deepspeed.zero_stage >= 1: the optimizer "
+                "state is only partitioned (and offloadable) under ZeRO."
+            )
+        _check_positive("deepspeed", self, ["reduce_bucket_size", "allgather_bucket_size"])
+
 
 @dataclass
 class WandbConfig:
@@ -107,6 +182,9 @@ class WandbConfig:
     group: Optional[str] = None
     tags: List[str] = field(default_factory=list)
     dir: Optional[str] = None  # default: <output_dir>
+
+    def __post_init__(self) -> None:
+        _check_choice("tracking.wandb.mode", self.mode, (None, "online", "offline", "disabled"))
 
 
 @dataclass
@@ -127,6 +205,10 @@ class ScalingConfig:
     params: Optional[float] = None  # mode=fixed: train this many params on flops / (6 N) tokens
     vocab_size: Optional[int] = None  # default: model.vocab_size
 
+    def __post_init__(self) -> None:
+        _check_choice("scaling.mode", self.mode,
+                      ("none", "compute_optimal", "inference_optimal", "fixed"))
+
 
 @dataclass
 class Config:
@@ -134,6 +216,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
@@ -145,6 +229,9 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     # The primary config extends this schema, so every group's YAML is merged onto its typed node.
     cs.store(name="llama_train_schema", node=Config)
+
+
+register_configs()  # on import: whoever composes configs/ (the app, tests, tools) finds the schema
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,79 +285,47 @@ def resolve_batch(trainer: TrainerConfig, world_size: int) -> BatchPlan:
     return BatchPlan(world_size, t.micro_batch, global_batch // per_step, global_batch, t.seq_len)
 
 
-def _positive(section: str, obj: Any, names: List[str], allow_zero: bool = False) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        bad = value < 0 if allow_zero else value <= 0
-        if value is None or bad:
-            bound = ">= 0" if allow_zero else "> 0"
-            raise ConfigError(f"{section}.{name}={value} must be {bound}.")
-
-
 def validate(cfg: Config, world_size: int, device: str) -> BatchPlan:
-    """Checks that need more than one field. Raises ConfigError naming the key and the fix."""
-    t, o, ds = cfg.trainer, cfg.optim, cfg.deepspeed
-    _positive("trainer", t, ["max_steps", "seq_len", "micro_batch", "log_every", "eval_every",
-                             "save_every", "keep_last", "eval_batches"])
-    _positive("trainer", t, ["sample_tokens", "max_bad_steps", "spike_factor",
-                             "spike_warmup_steps", "max_rollbacks"], allow_zero=True)
-    _positive("optim", o, ["lr", "eps"])
-    _positive("optim", o, ["warmup_steps", "weight_decay", "grad_clip"], allow_zero=True)
-    if not 0.0 <= o.min_lr_ratio <= 1.0:
-        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1].")
-    for name in ("beta1", "beta2"):
-        if not 0.0 <= getattr(o, name) < 1.0:
-            raise ConfigError(f"optim.{name}={getattr(o, name)} must be in [0, 1).")
-    if t.resume not in ("auto", "never") and not os.path.exists(t.resume):
-        raise ConfigError(
-            f"trainer.resume={t.resume!r} is neither 'auto', 'never' nor an existing checkpoint path."
-        )
-    if t.peak_flops is not None and t.peak_flops <= 0:
-        raise ConfigError(f"trainer.peak_flops={t.peak_flops} must be > 0 or null (measure).")
-    if t.steps_this_run is not None and t.steps_this_run <= 0:
-        raise ConfigError(f"trainer.steps_this_run={t.steps_this_run} must be > 0 or null.")
-    if t.init_from is not None and not os.path.exists(t.init_from):
-        raise ConfigError(
-            f"trainer.init_from={t.init_from!r} does not exist: give a Hugging Face Llama "
-            f"directory or a .pt written by llama-import."
-        )
-    if t.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"trainer.device={t.device!r} must be one of auto, cpu, cuda.")
+    """Checks across groups (each group checks its own fields when it is built). Raises
+    ConfigError naming the key and the fix; returns the batch resolved for ``world_size``."""
+    t = cfg.trainer
     if t.seq_len > cfg.model.max_seq_len:
         raise ConfigError(
             f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}: "
             f"lower trainer.seq_len or raise model.max_seq_len."
         )
-    # DeepSpeed combinations
-    if ds.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"deepspeed.zero_stage={ds.zero_stage} must be 0, 1, 2 or 3.")
-    if ds.precision not in ("auto", "bf16", "fp16", "fp32"):
-        raise ConfigError(f"deepspeed.precision={ds.precision!r} must be auto, bf16, fp16 or fp32.")
-    if ds.offload_params and ds.zero_stage != 3:
-        raise ConfigError(
-            f"deepspeed.offload_params=true needs deepspeed.zero_stage=3 (got {ds.zero_stage}): "
-            f"parameter offload only exists in ZeRO-3."
-        )
-    if ds.offload_optimizer and ds.zero_stage == 0:
-        raise ConfigError(
-            "deepspeed.offload_optimizer=true needs deepspeed.zero_stage >= 1: the optimizer "
-            "state is only partitioned (and offloadable) under ZeRO."
-        )
-    if device == "cpu" and ds.precision == "fp16":
-        raise ConfigError(
-            "deepspeed.precision=fp16 is not supported on CPU: use fp32 (or bf16)."
-        )
-    _positive("deepspeed", ds, ["reduce_bucket_size", "allgather_bucket_size"])
-    if cfg.tracking.wandb.mode not in (None, "online", "offline", "disabled"):
-        raise ConfigError(
-            f"tracking.wandb.mode={cfg.tracking.wandb.mode!r} must be online, offline or disabled."
-        )
-    if cfg.scaling.mode not in ("none", "compute_optimal", "inference_optimal", "fixed"):
-        raise ConfigError(
-            f"scaling.mode={cfg.scaling.mode!r} must be none, compute_optimal, inference_optimal "
-            f"or fixed."
-        )
+    if device == "cpu" and cfg.deepspeed.precision == "fp16":
+        raise ConfigError("deepspeed.precision=fp16 is not supported on CPU: use fp32 (or bf16).")
     return resolve_batch(t, world_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading: Hydra's DictConfig -> the dataclasses above
+
+
+def _reject_unknown_keys(node: DictConfig, prefix: str) -> None:
+    """Hydra's ``+key=value`` can force a key into a typed node; we still refuse it."""
+    import dataclasses
+
+    typ = OmegaConf.get_type(node)
+    fields = {f.name for f in dataclasses.fields(typ)} if dataclasses.is_dataclass(typ) else None
+    for key in node.keys():
+        name = f"{prefix}{key}"
+        if fields is not None and key not in fields and not str(key).startswith("_"):
+            raise ConfigError(f"unknown config key {name!r}; valid keys here: {sorted(fields)}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            _reject_unknown_keys(child, f"{name}.")
+
+
+def load_config(dcfg: DictConfig) -> Config:
+    """Hydra's composed config -> dataclasses; every group validates itself on the way."""
+    _reject_unknown_keys(dcfg, "")
+    try:
+        return OmegaConf.to_object(dcfg)
+    except Exception as e:  # OmegaConf wraps __post_init__ errors; keep the message
+        cause = e.__cause__ or e
+        raise ConfigError(str(cause).split("\n    full_key")[0]) from None
 
 
 def to_container(cfg: DictConfig | Config) -> dict:
@@ -297,12 +352,8 @@ def scrub_secrets(obj: Any) -> Any:
     return obj
 
 
-def is_finite_number(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
 __all__ = [
-    "BatchPlan", "Config", "ConfigError", "DeepSpeedConfig", "OptimConfig", "ScalingConfig",
-    "TrackingConfig", "TrainerConfig", "WandbConfig", "MISSING", "register_configs",
-    "resolve_batch", "to_container", "validate",
+    "BatchPlan", "Config", "ConfigError", "DeepSpeedConfig", "OptimConfig", "RecoveryConfig",
+    "SampleConfig", "ScalingConfig", "TrackingConfig", "TrainerConfig", "WandbConfig", "MISSING",
+    "load_config", "register_configs", "resolve_batch", "to_container", "validate",
 ]

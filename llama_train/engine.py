@@ -7,15 +7,17 @@ loop only sees an engine with ``forward``/``backward``/``step``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import math
 import os
-import socket
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
 from llama_train.comm import CommConfig, apply_env
+from llama_train.proc import ds_shm_buffer, free_port
 from llama_train.config import BatchPlan, DeepSpeedConfig, OptimConfig
 
 
@@ -40,12 +42,6 @@ class Runtime:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def detect_runtime(device: str = "auto") -> Runtime:
     """Reads the launcher's environment; a plain ``llama-train`` becomes a world of one.
 
@@ -57,7 +53,7 @@ def detect_runtime(device: str = "auto") -> Runtime:
     if "RANK" not in os.environ:  # not under a launcher
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     world = int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world)))
     rt = Runtime(device, int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), world,
@@ -70,18 +66,29 @@ def detect_runtime(device: str = "auto") -> Runtime:
     return rt
 
 
-def init_distributed(rt: Runtime, comm: CommConfig) -> None:
-    """NCCL on GPUs (NCCL_* env set first, from ``comm``), gloo on CPU."""
+def init_distributed(comm: Optional[CommConfig] = None, device_type: str = "cpu") -> str:
+    """Start the process group (the only place that does): NCCL on GPUs, its ``NCCL_*``
+    variables set first from ``comm``; gloo on CPU. Expects the launcher's variables (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT); :func:`detect_runtime` sets them for a plain process.
+    Returns the backend name."""
     import deepspeed
+    import torch.distributed as dist
 
-    backend = apply_env(comm, rt.device_type)
-    deepspeed.init_distributed(
-        dist_backend=backend,
-        auto_mpi_discovery=False,
-        timeout=datetime.timedelta(seconds=comm.timeout_s),
-    )
-    if rt.device_type == "cpu":
-        _unlink_shm_buffer(rt.rank)
+    comm = comm if comm is not None else CommConfig()
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_distributed: environment variables {missing} are not set; start the program "
+            "through a launcher, e.g. `deepspeed --num_gpus 2 --module <module> ...`")
+    backend = apply_env(comm, device_type)
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                               timeout=datetime.timedelta(seconds=int(comm.timeout_s)))
+    if device_type == "cpu":
+        _unlink_shm_buffer(dist.get_rank())
+    return backend
 
 
 def _unlink_shm_buffer(rank: int) -> None:
@@ -92,10 +99,9 @@ def _unlink_shm_buffer(rank: int) -> None:
     import torch.distributed as dist
 
     dist.barrier()
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_"
-            f"{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_{rank}")
     try:
-        os.unlink(name)
+        os.unlink(ds_shm_buffer(os.environ.get("MASTER_ADDR", ""),
+                                os.environ.get("MASTER_PORT", ""), rank))
     except FileNotFoundError:
         pass
 
@@ -119,8 +125,9 @@ def _torch_fused_adamw_on_cpu() -> bool:
 
 
 def build_ds_config(ds: DeepSpeedConfig, optim: OptimConfig, batch: BatchPlan,
-                    device_type: str) -> Dict[str, Any]:
-    """Translate our sub-configs into DeepSpeed's JSON config."""
+                    device_type: str, universal: bool = False) -> Dict[str, Any]:
+    """Translate our sub-configs into DeepSpeed's JSON config. ``universal``: the checkpoint to
+    load is in DeepSpeed's universal format (resuming on another world size)."""
     precision = resolve_precision(ds, device_type)
     zero: Dict[str, Any] = {"stage": ds.zero_stage}
     if ds.zero_stage >= 1:
@@ -166,6 +173,8 @@ def build_ds_config(ds: DeepSpeedConfig, optim: OptimConfig, batch: BatchPlan,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif precision == "fp16":
@@ -173,44 +182,261 @@ def build_ds_config(ds: DeepSpeedConfig, optim: OptimConfig, batch: BatchPlan,
     return cfg
 
 
-def initialize(model: torch.nn.Module, param_groups, ds_config: Dict[str, Any],
-               lr_scheduler_factory):
-    """The one call to ``deepspeed.initialize``. Returns the engine."""
+def initialize(model: torch.nn.Module, param_groups, ds_config: Dict[str, Any]) -> "Engine":
+    """The one call to ``deepspeed.initialize``."""
     import deepspeed
 
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=param_groups,
-        config=ds_config,
-        lr_scheduler=lr_scheduler_factory,
-    )
-    if engine.dp_world_size == 1 and ds_config["zero_optimization"]["stage"] == 0:
+    ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
+                                       config=ds_config)
+    if ds.dp_world_size == 1 and ds_config["zero_optimization"]["stage"] == 0:
         # Nothing to reduce: skip DeepSpeed's flatten/all-reduce/copy-back of every gradient
         # (3.5% of a `small` step on one rank, docs/performance.md).
-        engine.enable_backward_allreduce = False
-    return engine
+        ds.enable_backward_allreduce = False
+    return Engine(ds, ds_config["zero_optimization"]["stage"])
 
 
-def zero3_init_context(ds_config: Dict[str, Any]):
-    """Under ZeRO-3, build the model already partitioned (never whole on one rank)."""
-    import contextlib
+@dataclass
+class StepResult:
+    """What an optimizer step did: ``applied`` is False when it was skipped (non-finite)."""
 
-    if ds_config["zero_optimization"]["stage"] != 3:
-        return contextlib.nullcontext()
-    import deepspeed
+    applied: bool
+    nonfinite: bool
+    _grad_norm: Any = None
 
-    return deepspeed.zero.Init(config_dict_or_path=ds_config)
+    @property
+    def grad_norm(self) -> Optional[float]:
+        g = self._grad_norm() if callable(self._grad_norm) else self._grad_norm
+        return float(g) if g is not None else None
 
 
-def gathered_params(engine, stage: int):
-    """Context in which every rank sees full parameters (ZeRO-3 gathers; others are no-ops)."""
-    import contextlib
+class Engine:
+    """The training loop's view of DeepSpeed: forward/backward, one optimizer step that says
+    whether it was applied, the learning rate, the gradient norm, and checkpoint I/O. Nothing
+    outside this module reaches into DeepSpeed's engine or optimizer."""
 
-    if stage != 3:
-        return contextlib.nullcontext()
-    import deepspeed
+    def __init__(self, ds, zero_stage: int):
+        self.ds = ds  # for measurement tools (llama-bench memory); the trainer never uses it
+        self.zero_stage = zero_stage
 
-    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+    # -- the step --------------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        """The plain model (no engine or compile prefixes ever reach a checkpoint)."""
+        return unwrap(self.ds)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor):
+        return self.ds(x, y)
+
+    def train(self) -> None:
+        self.ds.train()
+
+    def eval(self) -> None:
+        self.ds.eval()
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.ds.optimizer.param_groups:
+            group["lr"] = lr
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss)
+
+    def micro_step(self) -> None:
+        """After a micro-batch that is not the last of the step: DeepSpeed counts it (and, at
+        ZeRO>=2, reduces its gradients) without touching the weights."""
+        self.ds.step()
+
+    def step(self, nonfinite_loss: bool = False) -> StepResult:
+        """The optimizer step. DeepSpeed (ZeRO>=1) skips a step whose gradients are not finite
+        and counts it; ZeRO-0 has neither check nor reported norm, so both are done here, and a
+        bad step leaves weights and optimizer state alone as DeepSpeed would."""
+        if self.zero_stage == 0:
+            norms = [p.grad.detach().float().norm() for p in self.ds.module.parameters()
+                     if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+            nonfinite = nonfinite_loss or not math.isfinite(norm)
+            with _optimizer_step_skipped(self.ds.optimizer, nonfinite):
+                self.ds.step()  # still called: it clears the gradients and keeps counters
+            return StepResult(not nonfinite, nonfinite, norm)
+        skipped_before = self.ds.skipped_steps
+        self.ds.step()
+        applied = self.ds.skipped_steps == skipped_before
+        return StepResult(applied, nonfinite_loss or not applied, self.ds.get_global_grad_norm)
+
+    def gathered_params(self):
+        """Context in which every rank sees full parameters (ZeRO-3 gathers; else a no-op)."""
+        if self.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.ds.module.parameters()),
+                                                 modifier_rank=None)
+
+    def destroy(self) -> None:
+        self.ds.destroy()
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self, path: str, tag: str) -> None:
+        """DeepSpeed's shards of every rank. DeepSpeed's save has barriers between its writes: a
+        write that raised on one rank would leave the ranks in different collectives. So the
+        first I/O error is held until DeepSpeed returns (nothing is written after it), then
+        raised on this rank; the caller makes the ranks agree."""
+        held: List[BaseException] = []
+        with _hold_io_errors(self.ds, held):
+            self.ds.save_checkpoint(path, tag=tag, save_latest=False,
+                                    client_state=_universal_info())
+        if held:
+            raise held[0]
+
+    def load(self, path: str, tag: str) -> bool:
+        """Weights, optimizer and scheduler state. Every file is unpickled with torch's
+        restricted (weights-only) loader: see :func:`restricted_loads`."""
+        with restricted_loads():
+            load_path, _ = self.ds.load_checkpoint(path, tag=tag, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        return load_path is not None
+
+    def opt_state_bytes(self) -> int:
+        """Bytes of optimizer state (fp32 master copy + moments) held by this rank."""
+        opt = self.ds.optimizer
+        total, seen = 0, set()
+        inner = getattr(opt, "optimizer", opt)
+        for state in inner.state.values():
+            for v in state.values():
+                if torch.is_tensor(v) and id(v) not in seen and v.numel() > 1:
+                    seen.add(id(v))
+                    total += v.numel() * v.element_size()
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+            for t in getattr(opt, attr, []) or []:
+                if torch.is_tensor(t) and id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+        return total
+
+
+@contextlib.contextmanager
+def _optimizer_step_skipped(optimizer, skip: bool) -> Iterator[None]:
+    """Make the optimizer's ``step`` a no-op for one call (an instance attribute shadows the
+    method), as DeepSpeed itself does for an overflow under ZeRO>=1."""
+    if not skip:
+        yield
+        return
+    optimizer.step = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del optimizer.step
+
+
+@contextlib.contextmanager
+def _hold_io_errors(ds, held: List[BaseException]) -> Iterator[None]:
+    """Around ``save_checkpoint``: DeepSpeed's file writes (its checkpoint engine's
+    ``save``/``makedirs`` and the copy of its recovery scripts) record their exception in
+    ``held`` instead of raising, and write nothing after the first one, while DeepSpeed's
+    barriers still run on every rank."""
+    ce = getattr(ds, "checkpoint_engine", None)
+    targets = [(ce, "save"), (ce, "makedirs"), (ds, "_copy_recovery_script")]
+    patched = []
+    for obj, name in targets:
+        fn = getattr(obj, name, None) if obj is not None else None
+        if fn is None or name in vars(obj):
+            continue
+
+        def guarded(*args, _fn=fn, **kwargs):
+            if held:
+                return None
+            try:
+                return _fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - reported after DeepSpeed returns
+                held.append(e)
+                return None
+
+        setattr(obj, name, guarded)  # an instance attribute shadows the method
+        patched.append((obj, name))
+    try:
+        yield
+    finally:
+        for obj, name in patched:
+            delattr(obj, name)
+
+
+def _deepspeed_safe_globals() -> List[Any]:
+    """The non-tensor classes DeepSpeed pickles into its checkpoint files (ZeRO 0-3, fp32/bf16/
+    fp16, with or without offload): plain value holders, safe to rebuild."""
+    out: List[Any] = []
+    for module, names in (("deepspeed.runtime.zero.config", ["ZeroStageEnum"]),
+                          ("deepspeed.utils.tensor_fragment", ["fragment_address"]),
+                          ("deepspeed.runtime.fp16.loss_scaler",
+                           ["LossScaler", "DynamicLossScaler"])):
+        try:
+            mod = __import__(module, fromlist=names)
+        except ImportError:
+            continue
+        out += [getattr(mod, n) for n in names if hasattr(mod, n)]
+    return out
+
+
+RESTRICTED_LOAD_ENV = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+
+
+@contextlib.contextmanager
+def restricted_loads() -> Iterator[None]:
+    """Inside: every ``torch.load`` (DeepSpeed's included, which asks for ``weights_only=False``)
+    uses torch's restricted unpickler, through torch's own switch (``TORCH_FORCE_WEIGHTS_ONLY_LOAD``)
+    and allow-list (``safe_globals``), extended only by three plain DeepSpeed value classes. A
+    file that smuggles in any other object fails to load instead of running code."""
+    before = os.environ.get(RESTRICTED_LOAD_ENV)
+    os.environ[RESTRICTED_LOAD_ENV] = "1"
+    try:
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop(RESTRICTED_LOAD_ENV, None)
+        else:
+            os.environ[RESTRICTED_LOAD_ENV] = before
+
+
+def convert_to_universal(ds_dir, out_dir):
+    """Run DeepSpeed's ds_to_universal on a checkpoint (in a child process, with restricted
+    loads; its forked workers inherit them). Returns the CompletedProcess."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-c", "from llama_train.engine import _ds_to_universal_main; "
+           "_ds_to_universal_main()", "--input_folder", str(ds_dir), "--output_folder",
+           str(out_dir), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def _ds_to_universal_main() -> None:
+    from deepspeed.checkpoint import ds_to_universal
+
+    with restricted_loads():
+        ds_to_universal.main(ds_to_universal.parse_arguments())
+
+
+def consolidate_fp32(ckpt, tag: str, zero_stage: int) -> Dict[str, torch.Tensor]:
+    """The full model state dict of a checkpoint (ZeRO shards merged by zero_to_fp32), without
+    a process group. Keys as DeepSpeed saved them (``module.`` prefixes possible)."""
+    from pathlib import Path
+
+    with restricted_loads():
+        if zero_stage == 0:
+            files = sorted((Path(ckpt) / tag).glob("mp_rank_*_model_states.pt"))
+            return torch.load(files[0], map_location="cpu")["module"]
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=tag)
+
+
+def _universal_info() -> Dict[str, Any]:
+    """What ds_to_universal needs to re-partition our (tensor-parallel-free) model."""
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO,
+                                                UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+    return {UNIVERSAL_CHECKPOINT_INFO: {
+        UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
 
 
 def peak_flops(device: torch.device, precision: str) -> float:
@@ -280,22 +506,3 @@ def unwrap(engine_or_model) -> torch.nn.Module:
     """The plain model (no engine or compile prefixes ever reach a checkpoint)."""
     m = getattr(engine_or_model, "module", engine_or_model)
     return getattr(m, "_orig_mod", m)
-
-
-def opt_state_bytes(engine) -> Optional[int]:
-    """Bytes of optimizer state (fp32 master copy + moments) held by this rank."""
-    opt = engine.optimizer
-    total = 0
-    seen = set()
-    inner = getattr(opt, "optimizer", opt)
-    for state in inner.state.values():
-        for v in state.values():
-            if torch.is_tensor(v) and id(v) not in seen and v.numel() > 1:
-                seen.add(id(v))
-                total += v.numel() * v.element_size()
-    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
-        for t in getattr(opt, attr, []) or []:
-            if torch.is_tensor(t) and id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-    return total

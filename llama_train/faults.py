@@ -1,15 +1,18 @@
 """Faults on purpose, and naming the rank that is gone when one happens by accident.
 
-Injection (for tests and fire drills; nothing here is active unless asked for):
+Injection (tests and fire drills; nothing here is active unless asked for) is one
+:class:`~llama_train.hooks.Hook`, :class:`FaultInjector`, driven by ``LLAMA_TRAIN_FAULTS``:
+``;``-separated items, each ``kind:key=value,...``::
 
-* ``trainer.nan_at_steps=[N, ...]`` and ``trainer.fail_at_step=N`` are config fields;
-* ``LLAMA_TRAIN_FAULTS`` holds the rest, ``;``-separated, each ``kind:key=value,...``::
-
-      loss_scale:batch=9,factor=1000          multiply the loss of global batch 9 (a loss spike)
-      save_error:step=4,rank=1,errno=ENOSPC   the save of step 4 fails on rank 1 part-way: its
-                                              1st file write (write=K: the K-th) stops half
-                                              written with OSError(ENOSPC)
-      save_error:step=4,rank=0,errno=EROFS,at=mkdir   rank 0 cannot create the checkpoint dir
+    nan:batch=3                             the loss of global batch 3 is NaN (repeat the item
+                                            for more batches)
+    loss_scale:batch=9,factor=1000          multiply the loss of global batch 9 (a loss spike)
+    exit:step=5[,rank=0][,code=17]          that rank dies without warning (os._exit) as step 5
+                                            begins
+    save_error:step=4,rank=1,errno=ENOSPC   the save of step 4 fails on rank 1 part-way: its
+                                            1st file write (write=K: the K-th) stops half
+                                            written with OSError(ENOSPC)
+    save_error:step=4,rank=0,errno=EROFS,at=mkdir   rank 0 cannot create the checkpoint dir
 
 Batches are counted in the data stream (global batch b = samples [(b-1)G, bG)), not in optimizer
 steps, so an injected bad batch stays bad when a rollback replays steps, as real bad data would.
@@ -29,9 +32,13 @@ import io
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Set
+
+from llama_train.checkpoint import SaveFaults
+from llama_train.hooks import Hook
 
 ENV = "LLAMA_TRAIN_FAULTS"
+KINDS = ("nan", "loss_scale", "exit", "save_error")
 
 
 class FaultSpecError(ValueError):
@@ -48,8 +55,17 @@ class SaveFault:
 
 
 @dataclass
+class ExitFault:
+    step: int
+    rank: int = 0
+    code: int = 17
+
+
+@dataclass
 class FaultPlan:
+    nan_batches: Set[int] = field(default_factory=set)
     loss_scale: Dict[int, float] = field(default_factory=dict)
+    exits: List[ExitFault] = field(default_factory=list)
     save_errors: List[SaveFault] = field(default_factory=list)
 
     @classmethod
@@ -62,24 +78,36 @@ class FaultPlan:
             except ValueError:
                 raise FaultSpecError(f"{ENV}: {item!r} is not kind:key=value,...") from None
             try:
-                if kind == "loss_scale":
-                    plan.loss_scale[int(kv["batch"])] = float(kv["factor"])
-                elif kind == "save_error":
-                    code = kv.get("errno", "ENOSPC")
-                    if not hasattr(errno_mod, code):
-                        raise FaultSpecError(f"{ENV}: unknown errno {code!r} in {item!r}")
-                    at = kv.get("at", "write")
-                    if at not in ("write", "mkdir"):
-                        raise FaultSpecError(f"{ENV}: at={at!r} must be write or mkdir ({item!r})")
-                    plan.save_errors.append(SaveFault(int(kv["step"]), int(kv.get("rank", 0)),
-                                                      getattr(errno_mod, code),
-                                                      int(kv.get("write", 1)), at))
-                else:
-                    raise FaultSpecError(f"{ENV}: unknown fault kind {kind!r} in {item!r}; "
-                                         f"use loss_scale or save_error")
+                plan._add(kind, kv, item)
             except KeyError as e:
                 raise FaultSpecError(f"{ENV}: {item!r} needs {e.args[0]}=...") from None
+            except ValueError as e:
+                if isinstance(e, FaultSpecError):
+                    raise
+                raise FaultSpecError(f"{ENV}: {item!r}: {e}") from None
         return plan
+
+    def _add(self, kind: str, kv: Dict[str, str], item: str) -> None:
+        if kind == "nan":
+            self.nan_batches.add(int(kv["batch"]))
+        elif kind == "loss_scale":
+            self.loss_scale[int(kv["batch"])] = float(kv["factor"])
+        elif kind == "exit":
+            self.exits.append(ExitFault(int(kv["step"]), int(kv.get("rank", 0)),
+                                        int(kv.get("code", 17))))
+        elif kind == "save_error":
+            code = kv.get("errno", "ENOSPC")
+            if not hasattr(errno_mod, code):
+                raise FaultSpecError(f"{ENV}: unknown errno {code!r} in {item!r}")
+            at = kv.get("at", "write")
+            if at not in ("write", "mkdir"):
+                raise FaultSpecError(f"{ENV}: at={at!r} must be write or mkdir ({item!r})")
+            self.save_errors.append(SaveFault(int(kv["step"]), int(kv.get("rank", 0)),
+                                              getattr(errno_mod, code), int(kv.get("write", 1)),
+                                              at))
+        else:
+            raise FaultSpecError(f"{ENV}: unknown fault kind {kind!r} in {item!r}; use one of "
+                                 f"{', '.join(KINDS)}")
 
     @classmethod
     def from_env(cls) -> "FaultPlan":
@@ -88,14 +116,37 @@ class FaultPlan:
     def loss_factor(self, batch: int) -> float:
         return self.loss_scale.get(batch, 1.0)
 
-    def _save_fault(self, step: int, rank: int, at: str) -> Optional[SaveFault]:
-        for f in self.save_errors:
-            if f.step == step and f.rank == rank and f.at == at:
+
+class FaultInjector(Hook, SaveFaults):
+    """The faults of a :class:`FaultPlan` for one rank: a hook on the loop and the save faults
+    the checkpoint manager consults."""
+
+    def __init__(self, plan: FaultPlan, rank: int):
+        self.plan, self.rank = plan, rank
+
+    @classmethod
+    def from_env(cls, rank: int) -> "FaultInjector":
+        return cls(FaultPlan.from_env(), rank)
+
+    def on_step_begin(self, step: int) -> None:
+        for f in self.plan.exits:
+            if f.step == step and f.rank == self.rank:
+                os._exit(f.code)  # a rank dies without warning
+
+    def on_loss(self, batch: int, loss):
+        if batch in self.plan.nan_batches:
+            loss = loss * float("nan")  # a batch with a non-finite loss
+        factor = self.plan.loss_factor(batch)
+        return loss * factor if factor != 1.0 else loss  # a loss spike
+
+    def _save_fault(self, step: int, at: str) -> Optional[SaveFault]:
+        for f in self.plan.save_errors:
+            if f.step == step and f.rank == self.rank and f.at == at:
                 return f
         return None
 
     def check_mkdir(self, step: int, rank: int, path) -> None:
-        f = self._save_fault(step, rank, "mkdir")
+        f = self._save_fault(step, "mkdir")
         if f is not None:
             raise OSError(f.errno, os.strerror(f.errno), str(path))
 
@@ -103,7 +154,7 @@ class FaultPlan:
     def failing_writes(self, step: int, rank: int) -> Iterator[None]:
         """During one checkpoint save: the planned ``torch.save`` call writes half its bytes and
         raises, like a disk that fills up in the middle of a file."""
-        f = self._save_fault(step, rank, "write")
+        f = self._save_fault(step, "write")
         if f is None:
             yield
             return

@@ -207,9 +207,6 @@ def list_presets() -> list[str]:
     return sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml"))
 
 
-PRESETS: tuple[str, ...] = tuple(list_presets())
-
-
 def load_preset(name_or_path: Union[str, Path]) -> ModelArgs:
     """ModelArgs from ``configs/model/<name>.yaml`` or from a yaml file path."""
     from omegaconf import OmegaConf

@@ -28,38 +28,29 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, max_steps: int, min_lr_rat
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
-    """A LambdaLR whose k-th value (after k optimizer steps) is the lr of update k + 1.
+def decays(name: str, p: torch.Tensor, cfg: OptimConfig) -> bool:
+    """Whether parameter ``name`` (our module names) gets weight decay: matrices only; norms,
+    biases and embeddings are exempt unless ``cfg`` asks for them.
 
-    DeepSpeed steps the scheduler after each optimizer step and saves its state in the
-    checkpoint; the lambda itself is a pure function of the step, so nothing else is needed.
-    """
-
-    def factor(k: int) -> float:
-        return lr_at(k + 1, lr=1.0, warmup_steps=cfg.warmup_steps, max_steps=max_steps,
-                     min_lr_ratio=cfg.min_lr_ratio)
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    Decisions use module names (the model's stable API), not tensor shapes, so a tied output
+    matrix is treated as the embedding it is."""
+    is_embedding = name.startswith("tok_embeddings.")
+    is_norm_or_bias = p.ndim < 2 or name.endswith(".bias") or "norm" in name.rsplit(".", 1)[0]
+    exempt = (is_embedding and not cfg.decay_embeddings) or (
+        is_norm_or_bias and not cfg.decay_norms_and_biases
+    )
+    return not exempt
 
 
 def param_groups(model: torch.nn.Module, cfg: OptimConfig) -> List[Dict]:
-    """Weight decay on matrices only; norms, biases and embeddings are exempt unless asked.
-
-    Decisions use module names (the model's stable API), not tensor shapes, so a tied output
-    matrix is treated as the embedding it is.
-    """
+    """AdamW groups: decayed parameters (see :func:`decays`) and the rest with weight_decay 0."""
     decay, no_decay = [], []
     seen = set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        is_embedding = name.startswith("tok_embeddings.")
-        is_norm_or_bias = p.ndim < 2 or name.endswith(".bias") or "norm" in name.rsplit(".", 1)[0]
-        exempt = (is_embedding and not cfg.decay_embeddings) or (
-            is_norm_or_bias and not cfg.decay_norms_and_biases
-        )
-        (no_decay if exempt else decay).append(p)
+        (decay if decays(name, p, cfg) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})

@@ -28,3 +28,27 @@ def exit_skipping_teardown(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for a rendezvous on 127.0.0.1)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ds_shm_buffer(addr: str, port, rank: int) -> str:
+    """Path of the ~66 MB /dev/shm buffer DeepSpeed's CPU all-reduce op creates per rank (and
+    never removes)."""
+    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def remove_ds_shm(addr: str, port, ranks) -> None:
+    """Remove DeepSpeed's CPU all-reduce buffers of a job: ``ranks`` is a count or an iterable."""
+    for rank in (range(ranks) if isinstance(ranks, int) else ranks):
+        try:
+            os.unlink(ds_shm_buffer(addr, port, rank))
+        except OSError:
+            pass

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import netrc
 import os
 import secrets
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from llama_train.config import TrackingConfig
+from llama_train.util import jsonable
 
 log = logging.getLogger("llama_train")
 
@@ -39,12 +39,6 @@ def resolve_wandb_mode(mode: Optional[str]) -> str:
     if mode is not None:
         return mode
     return "online" if wandb_api_key_present() else "offline"
-
-
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # NaN/inf are not JSON; keep them visible as strings
-    return v
 
 
 class Tracker:
@@ -166,7 +160,7 @@ class Tracker:
     def log(self, step: int, metrics: Dict[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        record = {"step": step, **{k: jsonable(v) for k, v in metrics.items()}}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()

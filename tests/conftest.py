@@ -6,6 +6,8 @@ import shutil
 import tempfile
 import time
 
+from llama_train.proc import ds_shm_buffer
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -29,7 +31,7 @@ def pytest_unconfigure(config):
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
     # Workers that start DeepSpeed without llama_train.engine (which unlinks them) leave its CPU
     # all-reduce buffers (~66 MB each) in /dev/shm; remove the ones this session created.
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_*"):
+    for path in glob.glob(ds_shm_buffer("127.0.0.1", "*", "*")):
         try:
             if os.stat(path).st_mtime >= _SESSION_START - 1:
                 os.unlink(path)

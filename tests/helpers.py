@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from llama_train.proc import kill_session
+from llama_train.proc import free_port, kill_session  # free_port: re-exported for the tests
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -29,17 +28,11 @@ TINY = [
     "trainer.eval_every=1000",
     "trainer.eval_batches=2",
     "trainer.save_every=1000",
-    "trainer.sample_tokens=8",
+    "sample.tokens=8",
     "tracking.wandb.mode=disabled",
     "tracking.console=false",
     "deepspeed.precision=fp32",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from llama_train.bench import memory as mem_bench
+from llama_train.bench import peaks
 from llama_train.bench import train as train_bench
 from llama_train.bench._memory_worker import classify
 
@@ -67,9 +68,67 @@ def test_model_matmul_mix_covers_every_matmul_weight():
     from llama_train.model import flops_per_token, load_preset
 
     args = load_preset("small")
-    n = sum(fin * fout * count for fin, fout, count in train_bench.linear_shapes(args))
+    n = sum(fin * fout * count for fin, fout, count in peaks.linear_shapes(args))
     attention = 12 * args.n_layers * args.dim * 256
     assert 6 * n + attention == flops_per_token(args, 256)
+
+
+@pytest.mark.parametrize("tied, decay_norms", [(False, False), (True, False), (False, True)])
+def test_hf_optimizer_decays_what_llama_train_decays(tied, decay_norms):
+    """The HF side's AdamW groups come from llama_train.optim's rule on our parameter names."""
+    import dataclasses
+
+    from llama_train.bench.hf_baseline import build_hf_model, make_adamw
+    from llama_train.config import OptimConfig
+    from llama_train.model import Transformer, load_preset
+    from llama_train.optim import param_groups
+
+    margs = dataclasses.replace(load_preset("tiny"), tie_embeddings=tied)
+    cfg = OptimConfig(weight_decay=0.05, decay_norms_and_biases=decay_norms)
+    opt, kind = make_adamw(build_hf_model(margs, 0), margs, cfg)
+    ours = param_groups(Transformer(margs), cfg)
+
+    def shapes(groups):
+        return [(g["weight_decay"], sorted(tuple(p.shape) for p in g["params"])) for g in groups]
+
+    assert shapes(opt.param_groups) == shapes(ours)
+    assert "AdamW" in kind
+
+
+def test_lockstep_hook_takes_a_turn_around_each_step(monkeypatch):
+    import os
+
+    from llama_train.bench.lockstep import Turns, TurnsHook
+
+    go_r, go_w = os.pipe()
+    done_r, done_w = os.pipe()
+    monkeypatch.setenv(Turns.ENV, f"{go_r},{done_w}")
+    hook = TurnsHook(Turns())
+    os.write(go_w, b"gg")  # the bench's go for two steps
+    for step in (1, 2):
+        hook.on_step_begin(step)
+        hook.on_step_end(step, {})
+    os.close(done_w)
+    assert os.read(done_r, 16) == b"rdd"  # ready once, then done after each step
+    for fd in (go_r, go_w, done_r):
+        os.close(fd)
+
+
+def test_ours_step_times_come_from_metrics_as_logged(tmp_path):
+    args = train_bench.parse_args(["--steps", "2", "--warmup", "1"])
+    rows = [{"step": s, "loss": 5.0 - s, "step_time_s": 0.1 * s, "data_wait_s": 0.01 * s,
+             "mem_gb": 1.0} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = train_bench.read_ours(args, tmp_path, wall=9.0)
+    assert got["step_times"] == pytest.approx([0.2, 0.3])
+    assert got["warmup_step_times"] == pytest.approx([0.1])
+    assert got["data_wait"] == pytest.approx([0.02, 0.03])
+    assert got["losses"] == [4.0, 3.0, 2.0]
+    for r in rows:
+        del r["data_wait_s"]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(RuntimeError, match="data_wait_s"):
+        train_bench.read_ours(args, tmp_path, wall=9.0)
 
 
 def test_storage_paths_are_classified():

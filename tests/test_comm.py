@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from llama_train.bench import allreduce as bench
 from llama_train.comm import CommConfig, apply_env, configure_backend, normalize_nccl_algo, ring_all_reduce
+from llama_train.proc import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "workers" / "comm_worker.py"
@@ -220,12 +220,6 @@ def test_slurm_sbatch_runs_one_no_ssh_launcher_per_node(tmp_path):
 
 # ---------------------------------------------------------------- through the real launcher
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _kill_session(sid: int) -> None:
     """SIGKILL every process of the session we created (launchers, ranks, node groups)."""
     for p in psutil.process_iter():
@@ -268,7 +262,7 @@ def _deepspeed() -> str:
 @pytest.mark.slow
 def test_ring_matches_all_reduce_three_ranks():
     """World size 3 (not a power of two), sizes not divisible by 2 or 3, a sub-group without rank 0."""
-    out = run_launched([_deepspeed(), "--num_gpus", "3", "--master_port", str(_free_port()), str(WORKER),
+    out = run_launched([_deepspeed(), "--num_gpus", "3", "--master_port", str(free_port()), str(WORKER),
                         "--expect-world", "3"])
     assert "COMM_WORKER OK world=3" in out
     assert {f"RANK {r}/3" for r in range(3)} <= {ln.split(" node=")[0] for ln in out.splitlines()}

@@ -43,13 +43,14 @@ PREPARE = textwrap.dedent("""
 """)
 
 RANK = textwrap.dedent("""
-    import argparse, json, os, torch, deepspeed, torch.distributed as dist
+    import argparse, json, os, torch, torch.distributed as dist
     from llama_train.data import DataConfig, TrainLoader, prepare_data
+    from llama_train.engine import init_distributed
     ap = argparse.ArgumentParser(); ap.add_argument("--local_rank", type=int, default=0)
     ap.add_argument("src"); ap.add_argument("out"); a = ap.parse_args()
     # every rank prepares before the process group exists; the lock makes one of them do it
     prep = prepare_data(DataConfig(name="ds", source=a.src, val_fraction=0.1, num_proc=1), 512)
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed(device_type="cpu")
     r, w = dist.get_rank(), dist.get_world_size()
     L = TrainLoader(prep.dir, 16, 8, 2, r, w, seed=3, num_workers=1)
     it = iter(L)

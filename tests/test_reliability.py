@@ -31,11 +31,11 @@ from helpers import (REPO, TINY, _env, launcher_cmd, losses, metrics, spawn, tai
                      wait_for)
 from llama_train.checkpoint import find_latest, load_consolidated, read_state
 
-FAULTS = "loss_scale:batch=9,factor=1000"
+FAULTS = "nan:batch=3;nan:batch=6;nan:batch=7;loss_scale:batch=9,factor=1000"
 STEPS = 10
 SCENARIO = [f"trainer.max_steps={STEPS}", "trainer.save_every=1", "trainer.keep_last=50",
-            "trainer.nan_at_steps=[3,6,7]", "trainer.max_bad_steps=2",
-            "trainer.spike_factor=3", "trainer.spike_warmup_steps=2"]
+            "recovery.max_bad_steps=2", "recovery.spike_factor=3",
+            "recovery.spike_warmup_steps=2"]
 G = 4  # 2 ranks x micro batch 2
 WINDOWS = [[5 * G, 7 * G], [8 * G, 9 * G]]  # batches 6-7 (NaN streak) and 9 (spike)
 TOL = 2e-4  # ZeRO-0 vs ZeRO-2: only the order of float sums differs (see test_train.py)
@@ -47,7 +47,7 @@ def _ckpt(out: Path, step: int) -> Path:
 
 def _ckpt_tensors(path: Path) -> dict:
     """Every tensor DeepSpeed saved (weights, fp32 partitions, Adam moments and step counts)."""
-    from llama_train.checkpoint import restricted_torch_load
+    from llama_train.engine import restricted_loads
 
     flat = {}
 
@@ -61,7 +61,7 @@ def _ckpt_tensors(path: Path) -> dict:
             for i, v in enumerate(obj):
                 walk(f"{prefix}/{i}", v)
 
-    with restricted_torch_load():
+    with restricted_loads():
         for f in sorted((path / "ds").glob("*.pt")):
             walk(f.name, torch.load(f, map_location="cpu"))
     return flat
@@ -83,7 +83,7 @@ def prepared():
 
     from llama_train.data import prepare_data
     from llama_train.paths import CONFIG_DIR
-    from llama_train.train import load_config
+    from llama_train.config import load_config
 
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = load_config(compose("config", overrides=list(TINY)))
@@ -185,35 +185,49 @@ def test_zero0_same_scenario_with_wandb_offline(reference, runs, prepared):
         assert key in data, key
 
 
-def test_fault_guard_and_skip_windows(prepared):
+def test_fault_guard_and_skip_windows():
     """The decisions in isolation, incl. a rollback target saved *inside* the bad window (the
-    loader must jump from 24 to 28 when the window is [20, 28))."""
-    from types import SimpleNamespace
+    stream must jump from 24 to 28 when the window is [20, 28))."""
+    from llama_train.config import RecoveryConfig
+    from llama_train.recovery import Recovery
+    from llama_train.trainer import TrainState
 
-    from llama_train.data import TrainLoader
-    from llama_train.train import _FaultGuard, _skip_bad_windows
+    class Events:
+        def __init__(self):
+            self.seen = []
 
-    t = SimpleNamespace(spike_factor=3.0, spike_warmup_steps=2, max_bad_steps=2)
-    g = _FaultGuard()
-    assert g.judge(1, 7.0, True, False, 0, t) is None and g.loss_ema == 7.0
-    assert g.judge(2, 7.0, False, True, 4, t) == "skipped_step" and not g.must_roll_back(
-        "skipped_step", t)
-    assert g.judge(3, 7.0, False, True, 8, t) == "skipped_step" and g.must_roll_back(
-        "skipped_step", t)
-    assert g.streak_start == 4 and g.loss_ema == 7.0  # bad steps never move the mean
-    g2 = _FaultGuard()
-    g2.load_state_dict(g.state_dict())
-    assert g2.state_dict() == g.state_dict()
-    g.after_rollback({"loss_ema": 6.5})
-    assert (g.bad_streak, g.loss_ema) == (0, 6.5)
-    assert g.judge(3, 25.0, True, False, 8, t) == "spike"  # 25 > 3 x 6.5, past the warmup
-    assert g.judge(4, 1.0, True, True, 8, t) == "nonfinite_applied"  # applied although NaN
-    loader = TrainLoader(prepared[1].dir, seq_len=64, global_batch=G, micro_batch=2,
-                         num_workers=0)
-    loader.load_state_dict({**loader.state_dict(), "consumed_samples": 24})
-    assert _skip_bad_windows(loader, [[32, 36], [20, 28], [28, 32]]) == [24, 36]
-    assert loader.state_dict()["consumed_samples"] == 36
-    assert _skip_bad_windows(loader, [[20, 28]]) is None
+        def event(self, step, name, **fields):
+            self.seen.append((step, name, fields))
+
+    state, events = TrainState(), Events()
+    r = Recovery(RecoveryConfig(spike_factor=3.0, spike_warmup_steps=2, max_bad_steps=2), state,
+                 events)
+    assert r.judge(1, 7.0, True, False, 0, 1) is None and state.loss_ema == 7.0
+    v = r.judge(2, 7.0, False, True, 4, 2)
+    assert v == "skipped_step" and not r.must_roll_back(v)
+    v = r.judge(3, 7.0, False, True, 8, 3)
+    assert v == "skipped_step" and r.must_roll_back(v)
+    assert state.streak_start == 4 and state.loss_ema == 7.0  # bad steps never move the mean
+    assert state.skipped_steps == 2 and [e[1] for e in events.seen] == ["skipped_step"] * 2
+    again = TrainState()
+    again.load_state_dict(state.state_dict())
+    assert again == state
+    state.step = 3
+
+    def restore(path):  # what the trainer does: the checkpoint's own state comes back
+        state.load_state_dict({"step": 2, "tokens": 8, "fault": {"loss_ema": 6.5}})
+
+    r.roll_back("skipped_step", 12, Path("ckpt"), restore, save_every=1)
+    assert (state.step, state.bad_streak, state.loss_ema) == (2, 0, 6.5)
+    assert (state.rollbacks, state.skipped_steps, state.skip_windows) == (1, 2, [[4, 12]])
+    assert events.seen[-1][1] == "rollback" and events.seen[-1][2]["skip_window"] == [4, 12]
+    assert r.judge(3, 25.0, True, False, 8, 3) == "spike"  # 25 > 3 x 6.5, past the warmup
+    assert r.judge(4, 1.0, True, True, 8, 4) == "nonfinite_applied"  # applied although NaN
+    state.skip_windows = [[32, 36], [20, 28], [28, 32]]
+    assert r.skip_bad_windows(24, 5) == 36 and events.seen[-1][2]["window"] == [24, 36]
+    assert r.skip_bad_windows(36, 5) is None
+    with pytest.raises(Exception, match="no checkpoint yet"):
+        r.roll_back("spike", 40, None, restore, save_every=100)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -506,7 +520,7 @@ def test_out_of_range_token_ids_never_reach_the_model(prepared, tmp_path):
     """Shards that changed after prepare (no data.verify): the training loop's guard refuses
     the batch with token ids outside the vocabulary before the forward pass."""
     from llama_train.data import DataError, TrainLoader
-    from llama_train.train import _check_token_ids
+    from llama_train.trainer import _check_token_ids
 
     cfg, prep = prepared
     d = tmp_path / "copy"
@@ -524,10 +538,26 @@ def test_out_of_range_token_ids_never_reach_the_model(prepared, tmp_path):
 def test_fault_spec_errors():
     from llama_train.faults import FaultPlan, FaultSpecError
 
-    plan = FaultPlan.parse("loss_scale:batch=9,factor=1000;save_error:step=4,rank=1,errno=EROFS")
+    plan = FaultPlan.parse("loss_scale:batch=9,factor=1000;save_error:step=4,rank=1,errno=EROFS;"
+                           "nan:batch=3;nan:batch=6;exit:step=5,rank=1")
     assert plan.loss_factor(9) == 1000 and plan.loss_factor(8) == 1.0
     assert plan.save_errors[0].errno == 30 and plan.save_errors[0].rank == 1
+    assert plan.nan_batches == {3, 6}
+    assert (plan.exits[0].step, plan.exits[0].rank, plan.exits[0].code) == (5, 1, 17)
     for bad, needle in [("loss_scale:factor=2", "batch"), ("explode:step=1", "unknown fault"),
-                        ("save_error:step=1,errno=EWHAT", "EWHAT"), ("save_error:step", "kind:")]:
+                        ("save_error:step=1,errno=EWHAT", "EWHAT"), ("save_error:step", "kind:"),
+                        ("nan:batch=x", "nan:batch=x"), ("exit:rank=1", "step")]:
         with pytest.raises(FaultSpecError, match=needle):
             FaultPlan.parse(bad)
+
+
+def test_fault_injector_hook():
+    """The injection is one hook: NaN and spikes on data-stream batches, on the ranks asked."""
+    from llama_train.faults import FaultInjector, FaultPlan
+
+    hook = FaultInjector(FaultPlan.parse("nan:batch=3;loss_scale:batch=4,factor=10"), rank=0)
+    one = torch.tensor(1.0)
+    assert torch.isnan(hook.on_loss(3, one)) and hook.on_loss(4, one).item() == 10.0
+    assert hook.on_loss(5, one) is one
+    hook.on_step_begin(5)  # exit faults for other steps/ranks do nothing
+    FaultInjector(FaultPlan.parse("exit:step=2,rank=1"), rank=0).on_step_begin(2)

@@ -1,4 +1,4 @@
-"""Tests for the scaling planner (llama_train.scaling, llama_train.scaling_fit).
+"""Tests for the scaling package (llama_train.scaling) and its CLI, llama-plan.
 
 Published figures are checked with tolerances that reflect how they were rounded in print.
 Sources:
@@ -13,23 +13,18 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import time
+from dataclasses import asdict
 
 import numpy as np
 import pytest
 import torch
 
+from llama_train.config import ConfigError, ScalingConfig
 from llama_train.model import ModelArgs, Transformer, count_params, load_preset
 from llama_train.scaling import (
-    activation_memory,
-    compute_optimal,
-    inference_optimal,
-    main,
-    model_info,
-    model_memory,
-    shape_for_params,
-)
-from llama_train.scaling_fit import (
     APPROACH1,
     APPROACH2,
     CHINCHILLA,
@@ -40,10 +35,18 @@ from llama_train.scaling_fit import (
     SARDANA,
     LossLaw,
     ScalingError,
+    activation_memory,
     collect_runs,
+    compute_optimal,
     fit_loss_law,
+    inference_optimal,
     load_fit,
+    model_info,
+    model_memory,
+    plan_experiment,
+    shape_for_params,
 )
+from llama_train.scaling.cli import main
 
 
 # ------------------------------------------------------------------------------------------
@@ -350,6 +353,78 @@ def test_shape_non_embedding_count_and_errors():
         shape_for_params(1e6, 128256)
     with pytest.raises(ScalingError, match="n_params"):
         shape_for_params(0, 32000)
+
+
+# ------------------------------------------------------------------------------------------
+# Experiment plans (experiment=compute_optimal|inference_optimal|isoflop)
+# ------------------------------------------------------------------------------------------
+
+def _plan(model=None, seq_len=128, tokens_per_step=1024, warmup_steps=100, **scaling):
+    model = model or ModelArgs(vocab_size=2048, max_seq_len=256)
+    return plan_experiment(ScalingConfig(**scaling), model, seq_len, tokens_per_step, warmup_steps)
+
+
+def test_plan_experiment_none_and_fixed():
+    assert _plan() is None  # mode "none"
+    plan = _plan(mode="fixed", flops=6e12, params=1e6)
+    assert (plan.mode, plan.flops, plan.n_params) == ("fixed", 6e12, 1e6)
+    assert plan.n_tokens == pytest.approx(1e6)  # D = C / (6 N)
+    assert plan.max_steps == 977  # ceil(1e6 / 1024)
+    assert plan.warmup_steps == 97  # capped at a tenth of the steps
+    m = plan.model
+    assert count_params(m)["total"] == pytest.approx(1e6, rel=0.05)
+    assert (m.vocab_size, m.max_seq_len) == (2048, 256)  # the model's vocab; max(seq_len, model's)
+    assert plan.describe().startswith("fixed: C=6e+12 FLOPs -> N=1e+06 params (dim ")
+    assert plan.describe().endswith("D=1e+06 tokens, 977 steps")
+    # scaling.vocab_size wins; a longer seq_len widens max_seq_len; a short warmup is kept
+    plan = _plan(seq_len=512, warmup_steps=5, mode="fixed", flops=6e12, params=1e6, vocab_size=1024)
+    assert (plan.model.vocab_size, plan.model.max_seq_len, plan.warmup_steps) == (1024, 512, 5)
+    # at least one step, and warmup at least 1
+    plan = _plan(tokens_per_step=10**9, mode="fixed", flops=6e12, params=1e6)
+    assert (plan.max_steps, plan.warmup_steps) == (1, 1)
+
+
+@pytest.mark.parametrize("mode", ["compute_optimal", "inference_optimal"])
+def test_plan_experiment_follows_the_planners(mode):
+    kw = {"inference_tokens": 1e10} if mode == "inference_optimal" else {}
+    plan = _plan(mode=mode, flops=3e14, fit="epoch", **kw)
+    want = (compute_optimal(3e14, fit="epoch") if mode == "compute_optimal"
+            else inference_optimal(3e14, 1e10, fit="epoch"))
+    assert (plan.n_params, plan.n_tokens) == (want["n_params"], want["n_tokens"])
+    assert count_params(plan.model)["total"] == pytest.approx(want["n_params"], rel=0.05)
+    assert plan.max_steps == math.ceil(want["n_tokens"] / 1024)
+    assert plan.describe().startswith(f"{mode}: C=3e+14 FLOPs")
+
+
+@pytest.mark.parametrize("scaling,key", [
+    ({"mode": "compute_optimal"}, "scaling.flops"),
+    ({"mode": "fixed", "flops": -1.0, "params": 1e6}, "scaling.flops"),
+    ({"mode": "inference_optimal", "flops": 1e14}, "scaling.inference_tokens"),
+    ({"mode": "fixed", "flops": 1e14}, "scaling.params"),
+])
+def test_plan_experiment_errors_name_the_key(scaling, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        _plan(**scaling)
+
+
+def test_plan_experiment_leaves_its_inputs_alone():
+    model = ModelArgs(dim=256, n_layers=2, n_heads=4, vocab_size=2048, max_seq_len=64, activation_checkpointing=True)
+    s = ScalingConfig(mode="compute_optimal", flops=3e14)
+    before = (asdict(model), asdict(s))
+    plan = plan_experiment(s, model, 128, 1024, 100)
+    assert (asdict(model), asdict(s)) == before
+    assert plan.model is not model and plan.model.max_seq_len == 128
+    with pytest.raises(AttributeError):
+        plan.max_steps = 1  # frozen
+
+
+def test_import_is_light():
+    # llama-plan compute-optimal must start instantly: no torch, matplotlib or CLI code on import
+    code = ("import sys, llama_train.scaling; "
+            "print([m for m in ('torch', 'matplotlib', 'llama_train.scaling.cli', 'llama_train.plot') "
+            "if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 # ------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from helpers import REPO, TINY, launcher_cmd, run
 from llama_train.config import resolve_batch
 from llama_train.paths import CONFIG_DIR
 from llama_train.scaling import compute_optimal, inference_optimal
-from llama_train.train import apply_scaling, load_config
+from llama_train.config import load_config
+from llama_train.train import plan_experiment
 
 
 def _cfg(overrides):
@@ -29,8 +30,11 @@ def _cfg(overrides):
 def test_experiment_sets_shape_and_steps(experiment, extra):
     from llama_train.model import count_params
 
-    cfg = _cfg([f"experiment={experiment}", "scaling.flops=3e14", "model.vocab_size=2048", *extra])
-    apply_scaling(cfg)
+    given = _cfg([f"experiment={experiment}", "scaling.flops=3e14", "model.vocab_size=2048",
+                  *extra])
+    cfg, exp = plan_experiment(given, 1)
+    assert given.trainer.max_steps != cfg.trainer.max_steps  # the plan is a new config
+    assert exp.max_steps == cfg.trainer.max_steps and exp.model == cfg.model
     plan = (compute_optimal(3e14) if experiment == "compute_optimal"
             else inference_optimal(3e14, 1e9))
     n = count_params(cfg.model)["total"]
@@ -44,8 +48,7 @@ def test_inference_optimal_is_smaller_and_longer():
     co, io = _cfg(["experiment=compute_optimal", "scaling.flops=3e14"]), \
         _cfg(["experiment=inference_optimal", "scaling.flops=3e14",
               "scaling.inference_tokens=1e10"])
-    apply_scaling(co)
-    apply_scaling(io)
+    (co, _), (io, _) = plan_experiment(co, 1), plan_experiment(io, 1)
     from llama_train.model import count_params
 
     assert count_params(io.model)["total"] < count_params(co.model)["total"]

@@ -133,7 +133,7 @@ def count_engine_bytes(engine) -> Dict[str, Any]:
             "zero3_gathered_numel": gathered}
 
 
-def main(argv=None) -> None:
+def _parse(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="llama_train.bench._memory_worker")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--stage", type=int, required=True)
@@ -141,30 +141,68 @@ def main(argv=None) -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _build(args: argparse.Namespace, rt, margs):
+    """(engine, DeepSpeed config) as llama-train builds them, for this stage in fp32."""
+    import torch
+
+    from llama_train import engine as eng
+    from llama_train.config import DeepSpeedConfig, OptimConfig, TrainerConfig, resolve_batch
+    from llama_train.model import Transformer
+    from llama_train.optim import param_groups
+
+    optim = OptimConfig()
+    plan = resolve_batch(TrainerConfig(seq_len=args.seq_len, micro_batch=args.micro_batch),
+                         rt.world_size)
+    ds_config = eng.build_ds_config(DeepSpeedConfig(zero_stage=args.stage, precision="fp32"),
+                                    optim, plan, rt.device_type)
+    torch.manual_seed(0)
+    model = Transformer(margs)  # as llama-train builds it
+    return eng.initialize(model, param_groups(model, optim), ds_config), ds_config
+
+
+def _count_backward(engine, x, y) -> Dict[str, Any]:
+    """One forward/backward counted twice: when autograd has finished but DeepSpeed has not yet
+    reduced (ZeRO 0/1 hold every full gradient here), and after backward (ZeRO 2/3 hold their
+    reduced partitions). Per category, the larger of the two is the peak."""
+    ds = engine.ds
+    snaps: List[Dict[str, Any]] = []
+    epilogue = ds._backward_epilogue
+
+    def counted_epilogue(*a, **kw):
+        snaps.append(count_engine_bytes(ds))
+        return epilogue(*a, **kw)
+
+    ds._backward_epilogue = counted_epilogue
+    _, loss = engine(x, y)
+    engine.backward(loss)
+    ds._backward_epilogue = epilogue
+    snaps.append(count_engine_bytes(ds))
+    return {"bytes": {c: max(s["bytes"][c] for s in snaps) for c in CATEGORIES},
+            "largest": max(snaps, key=lambda s: sum(s["bytes"].values()))["largest"],
+            "snapshots": [s["bytes"] for s in snaps],
+            "zero3_gathered_numel": max(s["zero3_gathered_numel"] for s in snaps),
+            "loss": float(loss.item())}
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
 
     import torch
     import torch.distributed as dist
 
     from llama_train import engine as eng
     from llama_train.comm import CommConfig
-    from llama_train.config import DeepSpeedConfig, OptimConfig, TrainerConfig, resolve_batch
-    from llama_train.model import Transformer, count_params, load_preset
-    from llama_train.optim import param_groups
+    from llama_train.model import count_params, load_preset
     from llama_train.proc import exit_skipping_teardown
 
     rt = eng.detect_runtime("cpu")
-    eng.init_distributed(rt, CommConfig())
+    eng.init_distributed(CommConfig(), rt.device_type)
     rss_base = _rss()
     margs = load_preset(args.preset)
-    ds = DeepSpeedConfig(zero_stage=args.stage, precision="fp32")
-    optim = OptimConfig()
-    plan = resolve_batch(TrainerConfig(seq_len=args.seq_len, micro_batch=args.micro_batch),
-                         rt.world_size)
-    ds_config = eng.build_ds_config(ds, optim, plan, rt.device_type)
-    torch.manual_seed(0)
-    model = Transformer(margs)  # as llama_train.train builds it
-    engine = eng.initialize(model, param_groups(model, optim), ds_config, None)
+    engine, ds_config = _build(args, rt, margs)
     rss_init = _rss()
     g = torch.Generator().manual_seed(rt.rank)
     x = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), generator=g)
@@ -173,29 +211,10 @@ def main(argv=None) -> None:
     _, loss = engine(x, y)
     engine.backward(loss)
     engine.step()  # AdamW state exists from here on
-
-    # Count twice in the second step: when autograd has finished but DeepSpeed has not yet
-    # reduced (ZeRO 0/1 hold every full gradient here), and after backward (ZeRO 2/3 hold
-    # their reduced partitions). Per category, the larger of the two is the peak.
-    snaps: List[Dict[str, Any]] = []
-    epilogue = engine._backward_epilogue
-
-    def counted_epilogue(*a, **kw):
-        snaps.append(count_engine_bytes(engine))
-        return epilogue(*a, **kw)
-
-    engine._backward_epilogue = counted_epilogue
-    _, loss = engine(x, y)
-    engine.backward(loss)
-    engine._backward_epilogue = epilogue
-    snaps.append(count_engine_bytes(engine))
-    counted = {"bytes": {c: max(s["bytes"][c] for s in snaps) for c in CATEGORIES},
-               "largest": max(snaps, key=lambda s: sum(s["bytes"].values()))["largest"],
-               "snapshots": [s["bytes"] for s in snaps],
-               "zero3_gathered_numel": max(s["zero3_gathered_numel"] for s in snaps)}
-    opt_bytes = eng.opt_state_bytes(engine)
+    counted = _count_backward(engine, x, y)  # the second step, counted
+    opt_bytes = engine.opt_state_bytes()
     engine.step()
-    persistent = [p for p in engine.module.parameters() if getattr(p, "ds_persist", False)]
+    persistent = [p for p in engine.ds.module.parameters() if getattr(p, "ds_persist", False)]
     result = {
         "rank": rt.rank, "world_size": rt.world_size, "stage": args.stage, "preset": args.preset,
         "n_params": count_params(margs)["total"],
@@ -206,7 +225,6 @@ def main(argv=None) -> None:
         "ds_config_zero": ds_config["zero_optimization"],
         "rss_baseline": rss_base, "rss_after_init": rss_init, "rss_end": _rss(),
         "rss_peak": _peak_rss(),
-        "loss": float(loss.item()),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

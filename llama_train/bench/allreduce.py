@@ -17,12 +17,13 @@ import os
 import platform
 import re
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from typing import Callable, Optional
+
+from llama_train.proc import free_port
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30}
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -128,12 +129,6 @@ def forwarded_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _under_launcher(args: argparse.Namespace) -> bool:
     return args.local_rank is not None or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
@@ -149,7 +144,7 @@ def relaunch(args: argparse.Namespace) -> int:
         env["DS_ACCELERATOR"] = "cpu"
         args.device = "cpu" if args.device == "auto" else args.device
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nprocs),
-           "--master_port", str(args.master_port or _free_port()),
+           "--master_port", str(args.master_port or free_port()),
            "--module", "llama_train.bench.allreduce", *forwarded_args(args)]
     print("launching:", shlex.join(cmd), flush=True)
     return subprocess.call(cmd, env=env)
@@ -173,12 +168,36 @@ def _timed(op: Callable, buf, src, device) -> float:
     return time.perf_counter() - t0
 
 
+def _check_ring(ref, got, src) -> None:
+    """``ring_all_reduce`` of ``src`` equals the backend's all-reduce, up to summation order."""
+    import torch
+    import torch.distributed as dist
+
+    from llama_train.comm import ring_all_reduce
+
+    world = dist.get_world_size()
+    ref.copy_(src)
+    got.copy_(src)
+    dist.all_reduce(ref)
+    ring_all_reduce(got)
+    # Summation order differs, so allow a few roundings of a sum of `world` terms.
+    peak = src.abs().max().double()
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    tol = 2 * world * world * torch.finfo(src.dtype).eps * peak.item()
+    err = (ref.double() - got.double()).abs().max().item()
+    if err > tol:
+        raise RuntimeError(f"ring_all_reduce differs from dist.all_reduce at "
+                           f"{src.numel() * src.element_size()} bytes (rank {dist.get_rank()}, "
+                           f"max abs err {err:.3g} > {tol:.3g})")
+
+
 def run(args: argparse.Namespace) -> dict:
     """Benchmark on an already-launched rank; returns the results (same on every rank)."""
     import torch
     import torch.distributed as dist
 
-    from llama_train.comm import CommConfig, init_distributed, ring_all_reduce
+    from llama_train.comm import CommConfig, ring_all_reduce
+    from llama_train.engine import init_distributed
 
     on_cuda = _cuda_wanted(args.device)
     device_type = "cuda" if on_cuda else "cpu"
@@ -205,19 +224,7 @@ def run(args: argparse.Namespace) -> dict:
         bufs = {name: torch.empty_like(src) for name in impls}
 
         if "ring" in impls:  # the baseline must give the same answer before its time counts
-            ref, got = bufs[backend], bufs["ring"]
-            ref.copy_(src)
-            got.copy_(src)
-            dist.all_reduce(ref)
-            ring_all_reduce(got)
-            # Summation order differs, so allow a few roundings of a sum of `world` terms.
-            peak = src.abs().max().double()
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            tol = 2 * world * world * torch.finfo(dtype).eps * peak.item()
-            err = (ref.double() - got.double()).abs().max().item()
-            if err > tol:
-                raise RuntimeError(f"ring_all_reduce differs from dist.all_reduce at {nbytes} bytes "
-                                   f"(rank {rank}, max abs err {err:.3g} > {tol:.3g})")
+            _check_ring(bufs[backend], bufs["ring"], src)
 
         times = {name: [] for name in impls}
         names = list(impls)

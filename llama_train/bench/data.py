@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -102,7 +103,7 @@ def _model_step(seq_len: int, batch: int, vocab: int):
         return step, f"reference matmul workload (llama_train.model unavailable: {type(e).__name__})"
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="llama-bench data", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab-size", type=int, default=8192)
@@ -114,44 +115,45 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model-steps", type=int, default=3, help="train steps timed per repeat")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-prepare subprocess")
     ap.add_argument("--json", help="also write the figures to this file")
-    args = ap.parse_args(argv)
-    cmd = "llama-bench data " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    return ap.parse_args(argv)
 
-    import torch
 
-    from llama_train.data import DataConfig, Tokenizer, TrainLoader, builtin_corpus, prepare_data, train_tokenizer
+def _one_off_costs(args: argparse.Namespace, work: Path, res: dict):
+    """Cold prepare, corpus build, tokenizer training (into ``res``); (documents, tokenizer
+    path, tokenizer)."""
+    from llama_train.data import Tokenizer, builtin_corpus, train_tokenizer
 
-    load0 = os.getloadavg()
-    work = Path(tempfile.mkdtemp(prefix="llama-bench-data-"))
-    os.environ["LLAMA_TRAIN_CACHE"] = str(work / "cache")
-    res: dict = {"command": cmd, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-
-    # --- one-off costs ----------------------------------------------------------------------
     if not args.no_cold:
         res["cold_prepare"] = _cold_prepare(args.vocab_size, work)
     t0 = time.perf_counter()
     docs = builtin_corpus()
     res["corpus_build_s"] = time.perf_counter() - t0
-    nbytes = sum(len(d.encode("utf-8")) for d in docs)
-    res["corpus"] = {"documents": len(docs), "MB": nbytes / 1e6}
+    res["corpus"] = {"documents": len(docs), "MB": sum(len(d.encode("utf-8")) for d in docs) / 1e6}
     t0 = time.perf_counter()
     tok_path = train_tokenizer(docs, args.vocab_size, work / "tok")
     res["tokenizer_train_s"] = time.perf_counter() - t0
-    tok = Tokenizer(tok_path)
+    return docs, tok_path, Tokenizer(tok_path)
 
-    # --- prepare throughput, interleaved ----------------------------------------------------
-    # The built-in corpus repeated --scale times as a .jsonl file: the local-file path of real
-    # runs (HF json builder, streaming) on enough text for worker processes to matter.
+
+def _prepare_throughput(args: argparse.Namespace, work: Path, docs: list, tok, tok_path,
+                        res: dict) -> None:
+    """Plain sentencepiece against prepare_data with num_proc=1 and 2, interleaved.
+
+    The built-in corpus repeated --scale times as a .jsonl file: the local-file path of real
+    runs (HF json builder, streaming) on enough text for worker processes to matter."""
+    from llama_train.data import DataConfig, prepare_data
+
     src = work / "corpus.jsonl"
     with open(src, "w") as f:
         for _ in range(args.scale):
             f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
     big = docs * args.scale
-    src_bytes = nbytes * args.scale
+    src_bytes = res["corpus"]["MB"] * 1e6 * args.scale
     res["prepare_source"] = {"file": "built-in corpus x %d as .jsonl" % args.scale, "MB": src_bytes / 1e6}
     times: dict[str, list[float]] = {"sentencepiece": [], "prepare_np1": [], "prepare_np2": []}
     cpu: dict[str, list[float]] = {k: [] for k in times}
     ntokens = sum(len(x) + 1 for x in tok.sp.encode(docs)) * args.scale
+    res["prepare_source"]["tokens"] = ntokens
     import datasets  # noqa: F401 - a one-off import (~2 s) that is not throughput
 
     for r in range(args.repeats):
@@ -169,11 +171,15 @@ def main(argv: list[str] | None = None) -> dict:
             "tokens_per_s": ntokens / _median(v), "cpu_s": _median(cpu[k]), "all_s": v}
         for k, v in times.items()
     }
+
+
+def _loader_vs_step(args: argparse.Namespace, work: Path, tok, tok_path, res: dict) -> None:
+    """TrainLoader per micro-batch (0 and 1 workers) against one train step, interleaved."""
+    from llama_train.data import DataConfig, TrainLoader, prepare_data
+
     loader_cfg = DataConfig(source="builtin", tokenizer=tok_path, num_proc=1, val_fraction=0.05,
                             prepared_dir=str(work / "prep-builtin"))
     prepared_dir = prepare_data(loader_cfg, args.vocab_size).dir
-
-    # --- loader vs a train step, interleaved ------------------------------------------------
     L, B = args.seq_len, args.micro_batch
     step, step_desc = _model_step(L, B, tok.vocab_size)
     step()  # warm-up (allocations)
@@ -189,38 +195,58 @@ def main(argv: list[str] | None = None) -> dict:
         lt["model_step"].append(_timed(lambda: [step() for _ in range(args.model_steps)]) / args.model_steps)
     res["loader"] = {k: {"median_ms": 1e3 * _median(v), "all_ms": [1e3 * x for x in v]} for k, v in lt.items()}
     res["loader"]["model_step"]["what"] = step_desc
-
-    # --- report -----------------------------------------------------------------------------
-    p = res["prepare"]
-    res["loadavg"] = {"start": load0, "end": os.getloadavg()}
-    print(f"machine: {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load average "
-          f"{load0[0]:.1f} -> {res['loadavg']['end'][0]:.1f}; medians of {args.repeats} interleaved repeats")
-    print(f"built-in corpus: {len(docs)} documents, {nbytes / 1e6:.2f} MB "
-          f"(vocab {tok.vocab_size}); build {res['corpus_build_s']:.2f}s, tokenizer training "
-          f"{res['tokenizer_train_s']:.2f}s")
-    if "cold_prepare" in res:
-        c = res["cold_prepare"]
-        print(f"cold `llama-data prepare` (fresh process, empty cache): {c['wall_s']:.1f}s wall "
-              f"(tokenizer {c['tokenizer_s']:.1f}s, tokenize+write {c['tokenize_write_s']:.1f}s)")
-    print(f"tokenize {res['prepare_source']['file']} ({src_bytes / 1e6:.1f} MB, {ntokens:,} tokens):")
-    print(f"{'':34s} {'wall s':>8s} {'MB/s':>7s} {'tokens/s':>11s} {'CPU s':>7s}")
-    for k, label in (("sentencepiece", "plain sentencepiece, 1 process"),
-                     ("prepare_np1", "prepare_data num_proc=1"), ("prepare_np2", "prepare_data num_proc=2")):
-        print(f"{label:34s} {p[k]['median_s']:8.3f} {p[k]['MB_per_s']:7.2f} {p[k]['tokens_per_s']:11,.0f} "
-              f"{p[k]['cpu_s']:7.2f}")
-    lo = res["loader"]
-    print(f"TrainLoader {B}x{L}: {lo['loader_w0']['median_ms']:.2f} ms/batch (0 workers), "
-          f"{lo['loader_w1']['median_ms']:.2f} ms/batch (1 worker, prefetched)")
-    print(f"train step: {lo['model_step']['median_ms']:.1f} ms ({step_desc}); loading is "
-          f"{100 * lo['loader_w0']['median_ms'] / lo['model_step']['median_ms']:.2f}% of it without workers")
-    print(f"reproduce: {cmd}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
-    import shutil
-
     loaders.clear()
     iters.clear()
-    shutil.rmtree(work, ignore_errors=True)
+
+
+def format_report(res: dict, args: argparse.Namespace, vocab_size: int) -> str:
+    p, lo, src = res["prepare"], res["loader"], res["prepare_source"]
+    load0, load1 = res["loadavg"]["start"], res["loadavg"]["end"]
+    lines = [f"machine: {res['cpus']} CPUs, torch threads {res['torch_threads']}, load average "
+             f"{load0[0]:.1f} -> {load1[0]:.1f}; medians of {args.repeats} interleaved repeats",
+             f"built-in corpus: {res['corpus']['documents']} documents, {res['corpus']['MB']:.2f} MB "
+             f"(vocab {vocab_size}); build {res['corpus_build_s']:.2f}s, tokenizer training "
+             f"{res['tokenizer_train_s']:.2f}s"]
+    if "cold_prepare" in res:
+        c = res["cold_prepare"]
+        lines.append(f"cold `llama-data prepare` (fresh process, empty cache): {c['wall_s']:.1f}s wall "
+                     f"(tokenizer {c['tokenizer_s']:.1f}s, tokenize+write {c['tokenize_write_s']:.1f}s)")
+    lines.append(f"tokenize {src['file']} ({src['MB']:.1f} MB, {src['tokens']:,} tokens):")
+    lines.append(f"{'':34s} {'wall s':>8s} {'MB/s':>7s} {'tokens/s':>11s} {'CPU s':>7s}")
+    for k, label in (("sentencepiece", "plain sentencepiece, 1 process"),
+                     ("prepare_np1", "prepare_data num_proc=1"), ("prepare_np2", "prepare_data num_proc=2")):
+        lines.append(f"{label:34s} {p[k]['median_s']:8.3f} {p[k]['MB_per_s']:7.2f} "
+                     f"{p[k]['tokens_per_s']:11,.0f} {p[k]['cpu_s']:7.2f}")
+    B, L = args.micro_batch, args.seq_len
+    lines.append(f"TrainLoader {B}x{L}: {lo['loader_w0']['median_ms']:.2f} ms/batch (0 workers), "
+                 f"{lo['loader_w1']['median_ms']:.2f} ms/batch (1 worker, prefetched)")
+    lines.append(f"train step: {lo['model_step']['median_ms']:.1f} ms ({lo['model_step']['what']}); "
+                 f"loading is {100 * lo['loader_w0']['median_ms'] / lo['model_step']['median_ms']:.2f}% "
+                 "of it without workers")
+    lines.append(f"reproduce: {res['command']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse_args(argv)
+    cmd = "llama-bench data " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+
+    import torch
+
+    load0 = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="llama-bench-data-"))
+    os.environ["LLAMA_TRAIN_CACHE"] = str(work / "cache")
+    res: dict = {"command": cmd, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    try:
+        docs, tok_path, tok = _one_off_costs(args, work, res)
+        _prepare_throughput(args, work, docs, tok, tok_path, res)
+        _loader_vs_step(args, work, tok, tok_path, res)
+        res["loadavg"] = {"start": load0, "end": os.getloadavg()}
+        print(format_report(res, args, tok.vocab_size))
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return res
 
 

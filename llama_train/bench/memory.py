@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,9 +26,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from llama_train.bench._memory_worker import CATEGORIES
-from llama_train.bench.train import remove_ds_shm
 from llama_train.bench import report_or_exit
-from llama_train.proc import kill_session
+from llama_train.proc import free_port, kill_session, remove_ds_shm
 
 MB = 2**20
 
@@ -74,12 +72,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_stage(args: argparse.Namespace, stage: int, out: Path) -> List[dict]:
     """Launch the ranks for one stage; their JSON results, rank order."""
     env = dict(os.environ)
@@ -87,7 +79,7 @@ def run_stage(args: argparse.Namespace, stage: int, out: Path) -> List[dict]:
         env.pop(key, None)
     env.update(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nprocs),
            "--master_port", str(port), "--module", "llama_train.bench._memory_worker",
            "--preset", args.preset, "--stage", str(stage), "--micro-batch", str(args.micro_batch),

@@ -1,14 +1,14 @@
 """Communication setup: backend choice, NCCL environment, process-group start, a reference ring.
 
 NCCL reads its ``NCCL_*`` variables once, when a communicator is created, so everything here
-must run before the process group starts; :func:`init_distributed` does it in that order.
+must run before the process group starts; :func:`llama_train.engine.init_distributed` (the one
+place that starts it) applies them first.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Optional
 
 from llama_train.comm.ring import ring_all_reduce
@@ -17,7 +17,6 @@ __all__ = [
     "CommConfig",
     "apply_env",
     "configure_backend",
-    "init_distributed",
     "normalize_nccl_algo",
     "ring_all_reduce",
 ]
@@ -99,7 +98,7 @@ def configure_backend(device: str, nccl_algo: Optional[str] = None) -> str:
             raise RuntimeError(
                 f"comm.nccl_algo={algo!r} requested but the process group already started with "
                 f"NCCL_ALGO={current!r}; NCCL reads it only at communicator creation. Call "
-                "configure_backend/apply_env before init_distributed.")
+                "configure_backend/apply_env before llama_train.engine.init_distributed.")
         os.environ["NCCL_ALGO"] = algo
     return "nccl"
 
@@ -119,27 +118,4 @@ def apply_env(cfg: CommConfig, device_type: str) -> str:
             os.environ["NCCL_SOCKET_IFNAME"] = str(cfg.nccl_socket_ifname)
         if cfg.nccl_ib_disable is not None:
             os.environ["NCCL_IB_DISABLE"] = "1" if cfg.nccl_ib_disable else "0"
-    return backend
-
-
-def init_distributed(cfg: Optional[CommConfig] = None, device_type: str = "cpu") -> str:
-    """Apply ``cfg`` (a CommConfig or its DictConfig), then start DeepSpeed's process group.
-
-    The group gets ``cfg.timeout_s`` as its collective timeout. Expects launcher variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), as set
-    by the ``deepspeed`` launcher. Returns the backend name. A no-op if the group already exists.
-    """
-    cfg = cfg if cfg is not None else CommConfig()
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise RuntimeError(
-            f"init_distributed: environment variables {missing} are not set; start the program "
-            "through a launcher, e.g. `deepspeed --num_gpus 2 --module <module> ...`")
-    backend = apply_env(cfg, device_type)
-    if device_type.startswith("cuda"):
-        import torch
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                               timeout=timedelta(seconds=int(cfg.timeout_s)))
     return backend

@@ -36,6 +36,7 @@ from .errors import DataError
 from .meta import FORMAT, META_FILE, TOKENIZER_FILE, VERSION, read_meta
 from .sources import Source, open_source
 from .tokenizer import Tokenizer, train_tokenizer
+from llama_train.util import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -381,7 +382,7 @@ def prepare_data(cfg: Any, vocab_size: Optional[int] = None) -> PreparedData:
             if final.exists():
                 final.rmdir()  # empty (checked by _existing); rename needs it gone
             os.rename(tmp, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -390,88 +391,18 @@ def prepare_data(cfg: Any, vocab_size: Optional[int] = None) -> PreparedData:
         lock.release()
 
 
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _prepare_into(
     out: Path, cfg: DataConfig, source: Source, vocab_size: int, dtype: str, settings: dict, fingerprint: str
 ) -> dict:
-    from tqdm.auto import tqdm
-
+    """Tokenizer, shards and meta.json in ``out`` (a temporary directory the caller renames)."""
     t0 = time.perf_counter()
-    tok_path = out / TOKENIZER_FILE
-    if cfg.tokenizer is not None:
-        shutil.copyfile(cfg.tokenizer, tok_path)
-        trained = False
-    else:
-        log.info("training a %d-piece tokenizer on %s", vocab_size, cfg.source)
-        model = train_tokenizer(
-            source.iter_texts(), vocab_size, out / "tokenizer",
-            max_sentences=cfg.tokenizer_max_sentences, seed=cfg.seed,
-        )
-        assert Path(model) == tok_path
-        trained = True
-    tok = Tokenizer(tok_path)
-    if tok.vocab_size != vocab_size:
-        raise DataError(f"trained tokenizer has vocab_size={tok.vocab_size}, expected {vocab_size}")
+    tok, trained = _tokenizer_into(out, cfg, source, vocab_size)
     t_tok = time.perf_counter() - t0
-
-    writers = {s: ShardWriter(out, s, dtype, cfg.shard_tokens) for s in SPLITS}
-    frac = Fraction(str(cfg.val_fraction))
     num_proc = _num_proc(cfg, source)
-    docs_read = empty = nonempty = 0
-    nbytes = 0
-    bar = tqdm(total=source.num_documents(), unit="doc", desc=f"tokenizing {cfg.name}",
-               mininterval=1.0, dynamic_ncols=True)
     t1 = time.perf_counter()
-    try:
-        for (flat, lengths, nb), n in _encoded_chunks(source, str(tok_path), cfg.add_bos, dtype, num_proc):
-            docs_read += n
-            nbytes += nb
-            keep = lengths > 0
-            empty += int((~keep).sum())
-            kept = lengths[keep]
-            is_val = np.fromiter((_is_val(nonempty + j, frac) for j in range(kept.size)), bool, kept.size)
-            nonempty += kept.size
-            token_is_val = np.repeat(is_val, kept)
-            for split, mask in (("train", ~token_is_val), ("val", token_is_val)):
-                writers[split].write(flat[mask])
-            writers["val"].documents += int(is_val.sum())
-            writers["train"].documents += int((~is_val).sum())
-            bar.update(n)
-    finally:
-        bar.close()
-    splits = {s: w.finish() for s, w in writers.items()}
+    splits, docs = _encode_into(out, cfg, source, dtype, num_proc)
     t_enc = time.perf_counter() - t1
-
-    where = f"data.source={cfg.source!r}"
-    if docs_read == 0:
-        raise DataError(f"{where} has no documents (split={cfg.split!r}, text_column={cfg.text_column!r})")
-    if nonempty == 0:
-        raise DataError(
-            f"all {docs_read} documents of {where} tokenize to nothing (empty text in column "
-            f"{cfg.text_column!r}?): check data.text_column and the files"
-        )
-    if splits["train"]["tokens"] == 0:
-        raise DataError(
-            f"{where}: all {nonempty} non-empty documents went to validation; lower "
-            f"data.val_fraction={cfg.val_fraction} or use more documents"
-        )
-    if empty:
-        log.warning("%s: %d of %d documents are empty (tokenize to nothing) and were skipped",
-                    where, empty, docs_read)
-
-    total_tokens = sum(s["tokens"] for s in splits.values())
+    _check_documents(cfg, docs, splits)
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -494,8 +425,9 @@ def _prepare_into(
             "trained_here": trained,
             "source_path": None if trained else os.path.abspath(cfg.tokenizer),
         },
-        "documents": {"read": docs_read, "empty_skipped": empty, "kept": nonempty},
-        "source_bytes": nbytes,
+        "documents": {"read": docs["read"], "empty_skipped": docs["empty"],
+                      "kept": docs["kept"]},
+        "source_bytes": docs["bytes"],
         "val_fraction": cfg.val_fraction,
         "splits": splits,
         "timing_s": {
@@ -510,12 +442,85 @@ def _prepare_into(
         f.flush()
         os.fsync(f.fileno())
     os.replace(meta_tmp, out / META_FILE)
+    total_tokens = sum(sp["tokens"] for sp in splits.values())
+    nbytes = docs["bytes"]
     log.info(
         "prepared %s: %d docs (%d empty), train %d tokens / val %d tokens, %.1f MB in %.1fs "
         "(%.2f MB/s, %.0f tokens/s, num_proc=%d)",
-        cfg.source, docs_read, empty, splits["train"]["tokens"], splits["val"]["tokens"],
-        nbytes / 1e6, t_enc, nbytes / 1e6 / max(t_enc, 1e-9), total_tokens / max(t_enc, 1e-9), num_proc,
+        cfg.source, docs["read"], docs["empty"], splits["train"]["tokens"],
+        splits["val"]["tokens"], nbytes / 1e6, t_enc, nbytes / 1e6 / max(t_enc, 1e-9),
+        total_tokens / max(t_enc, 1e-9), num_proc,
     )
     return meta
+
+
+def _tokenizer_into(out: Path, cfg: DataConfig, source: Source, vocab_size: int):
+    """The given tokenizer copied into ``out``, or one trained there; (Tokenizer, trained)."""
+    tok_path = out / TOKENIZER_FILE
+    if cfg.tokenizer is not None:
+        shutil.copyfile(cfg.tokenizer, tok_path)
+        trained = False
+    else:
+        log.info("training a %d-piece tokenizer on %s", vocab_size, cfg.source)
+        model = train_tokenizer(
+            source.iter_texts(), vocab_size, out / "tokenizer",
+            max_sentences=cfg.tokenizer_max_sentences, seed=cfg.seed,
+        )
+        assert Path(model) == tok_path
+        trained = True
+    tok = Tokenizer(tok_path)
+    if tok.vocab_size != vocab_size:
+        raise DataError(f"trained tokenizer has vocab_size={tok.vocab_size}, expected {vocab_size}")
+    return tok, trained
+
+
+def _encode_into(out: Path, cfg: DataConfig, source: Source, dtype: str, num_proc: int):
+    """Tokenize every document into the train/val shards; (split summaries, document counts)."""
+    from tqdm.auto import tqdm
+
+    writers = {s: ShardWriter(out, s, dtype, cfg.shard_tokens) for s in SPLITS}
+    frac = Fraction(str(cfg.val_fraction))
+    docs = {"read": 0, "empty": 0, "kept": 0, "bytes": 0}
+    bar = tqdm(total=source.num_documents(), unit="doc", desc=f"tokenizing {cfg.name}",
+               mininterval=1.0, dynamic_ncols=True)
+    try:
+        chunks = _encoded_chunks(source, str(out / TOKENIZER_FILE), cfg.add_bos, dtype, num_proc)
+        for (flat, lengths, nb), n in chunks:
+            docs["read"] += n
+            docs["bytes"] += nb
+            keep = lengths > 0
+            docs["empty"] += int((~keep).sum())
+            kept = lengths[keep]
+            is_val = np.fromiter((_is_val(docs["kept"] + j, frac) for j in range(kept.size)),
+                                 bool, kept.size)
+            docs["kept"] += kept.size
+            token_is_val = np.repeat(is_val, kept)
+            for split, mask in (("train", ~token_is_val), ("val", token_is_val)):
+                writers[split].write(flat[mask])
+            writers["val"].documents += int(is_val.sum())
+            writers["train"].documents += int((~is_val).sum())
+            bar.update(n)
+    finally:
+        bar.close()
+    return {s: w.finish() for s, w in writers.items()}, docs
+
+
+def _check_documents(cfg: DataConfig, docs: dict, splits: dict) -> None:
+    where = f"data.source={cfg.source!r}"
+    if docs["read"] == 0:
+        raise DataError(f"{where} has no documents (split={cfg.split!r}, text_column={cfg.text_column!r})")
+    if docs["kept"] == 0:
+        raise DataError(
+            f"all {docs['read']} documents of {where} tokenize to nothing (empty text in column "
+            f"{cfg.text_column!r}?): check data.text_column and the files"
+        )
+    if splits["train"]["tokens"] == 0:
+        raise DataError(
+            f"{where}: all {docs['kept']} non-empty documents went to validation; lower "
+            f"data.val_fraction={cfg.val_fraction} or use more documents"
+        )
+    if docs["empty"]:
+        log.warning("%s: %d of %d documents are empty (tokenize to nothing) and were skipped",
+                    where, docs["empty"], docs["read"])
 
 

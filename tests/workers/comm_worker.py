@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from _lines import say
 
-from llama_train.comm import CommConfig, init_distributed, ring_all_reduce
+from llama_train.comm import CommConfig, ring_all_reduce
+from llama_train.engine import init_distributed
 
 SIZES = [1, 2, 3, 5, 6, 7, 97, 1000, 4099]  # incl. numel < world and not divisible by 2 or 3
 

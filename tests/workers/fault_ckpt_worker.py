@@ -31,7 +31,7 @@ def _engine(seed: int = 0):
     model.init_weights()
     ds = eng.build_ds_config(DeepSpeedConfig(zero_stage=0, precision="fp32"), OptimConfig(),
                              BatchPlan(1, 2, 1, 2, 16), "cpu")
-    return eng.initialize(model, param_groups(model, OptimConfig()), ds, None)
+    return eng.initialize(model, param_groups(model, OptimConfig()), ds)
 
 
 def _train_step(engine) -> None:
@@ -49,7 +49,9 @@ def _save(mgr, engine, step: int, faults: str = ""):
     """Returns (path or None, error message or None, .tmp dirs left, latest hint)."""
     from llama_train.checkpoint import CheckpointError
 
-    os.environ["LLAMA_TRAIN_FAULTS"] = faults
+    from llama_train.faults import FaultInjector, FaultPlan
+
+    mgr.faults = FaultInjector(FaultPlan.parse(faults), mgr.rank)
     try:
         path, err = mgr.save(engine, step, trainer_state={"step": step},
                              rank_state={"x": torch.zeros(1)},
@@ -57,7 +59,7 @@ def _save(mgr, engine, step: int, faults: str = ""):
     except CheckpointError as e:
         path, err = None, str(e)
     finally:
-        os.environ.pop("LLAMA_TRAIN_FAULTS", None)
+        mgr.faults = FaultInjector(FaultPlan(), mgr.rank)
     latest = mgr.root / "latest"
     return {"path": str(path) if path else None, "error": err,
             "tmp_left": sorted(p.name for p in mgr.root.glob(".tmp-*")),
@@ -111,7 +113,7 @@ def main() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
     rt = eng.detect_runtime("cpu")
-    eng.init_distributed(rt, CommConfig())
+    eng.init_distributed(CommConfig(), rt.device_type)
     res = {}
 
     # --- injected failures on a normal disk ------------------------------------------------------

@@ -19,19 +19,19 @@ from llama_train.proc import exit_skipping_teardown  # noqa: E402
 from llama_train.scaling import model_memory  # noqa: E402
 
 rt = eng.detect_runtime("cpu")
-eng.init_distributed(rt, CommConfig())
+eng.init_distributed(CommConfig(), rt.device_type)
 args = load_preset("tiny")
 for stage in (1, 2, 3):
     torch.manual_seed(0)
     model = Transformer(args)
     plan = BatchPlan(rt.world_size, 1, 1, rt.world_size, 16)
     cfg = eng.build_ds_config(DeepSpeedConfig(zero_stage=stage), OptimConfig(), plan, "cpu")
-    engine = eng.initialize(model, param_groups(model, OptimConfig()), cfg, None)
+    engine = eng.initialize(model, param_groups(model, OptimConfig()), cfg)
     x = torch.randint(0, args.vocab_size, (1, 17))
     _, loss = engine(x[:, :-1], x[:, 1:])
     engine.backward(loss)
     engine.step()  # Adam moments exist only after the first step
-    measured = eng.opt_state_bytes(engine)
+    measured = engine.opt_state_bytes()
     analytic = model_memory(args, stage, rt.world_size, dtype="fp32")["optimizer_states"]
     say(json.dumps({"rank": rt.rank, "stage": stage, "measured": measured, "analytic": analytic}))
     engine.destroy()

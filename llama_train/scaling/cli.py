@@ -1,0 +1,291 @@
+"""``llama-plan``: the command line of :mod:`llama_train.scaling` (compute-optimal,
+inference-optimal, model-info, shape, fit), with its tables and SI formatting."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+from llama_train.plot import plot_isoflops
+from llama_train.scaling.fit import collect_runs, fit_loss_law, group_budgets
+from llama_train.scaling.laws import FITS, ScalingError
+from llama_train.scaling.memory import _args_dict, model_info
+from llama_train.scaling.planners import compute_optimal, inference_optimal, shape_for_params
+from llama_train.util import jsonable
+
+
+def _si(x: float, unit: str = "") -> str:
+    """1.234e10 -> '12.3B' (counts) ."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{suffix}{unit}"
+    return f"{x:.3g}{unit}"
+
+
+def _gib(x: float) -> str:
+    if x >= 2**30:
+        return f"{x / 2**30:,.2f} GiB"
+    if x >= 2**20:
+        return f"{x / 2**20:.1f} MiB"
+    return f"{x / 2**10:.1f} KiB" if x else "0"
+
+
+def _table(rows: Sequence[Sequence[Any]], header: Optional[Sequence[str]] = None) -> str:
+    rows = [[str(c) for c in r] for r in rows]
+    if header:
+        rows = [list(header)] + rows
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for k, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
+        if header and k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _float(text: str) -> float:
+    """argparse type: accepts 1e21, 1.5e12, 7B, 2T, 300M."""
+    t = text.strip().replace("_", "")
+    mult = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:].upper())
+    try:
+        return float(t[:-1]) * mult if mult else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (examples: 1e21, 7e9, 7B, 2T)") from None
+
+
+def _print_fit_header(fit: Dict[str, Any]) -> None:
+    print(f"fit: {fit['name']}  E={fit['E']:.4g} A={fit['A']:.5g} B={fit['B']:.5g} "
+          f"alpha={fit['alpha']:.4g} beta={fit['beta']:.4g}")
+    if fit.get("source"):
+        print(f"     ({fit['source']})")
+
+
+def _cmd_compute_optimal(ns: argparse.Namespace) -> Dict[str, Any]:
+    res = compute_optimal(ns.flops, ns.fit)
+    if not ns.json:
+        print(f"Compute-optimal allocation for C = {ns.flops:.3g} training FLOPs (C = 6 N D)")
+        _print_fit_header(res["fit"])
+        e = res["exponents"]
+        rows = [["Approach 3 (fit, closed form)", _si(res["n_params"]), _si(res["n_tokens"]),
+                 f"{res['tokens_per_param']:.1f}", f"{res['loss']:.4f}", f"a={e['a']:.3f}"]]
+        for key, label in (("approach1", "Approach 1 (Hoffmann Tab. 3)"), ("approach2", "Approach 2 (Hoffmann Tab. A3)")):
+            ap = res["approaches"][key]
+            rows.append([label, _si(ap["n_params"]), _si(ap["n_tokens"]), f"{ap['tokens_per_param']:.1f}", "-",
+                         f"a={ap['a']:.2f}"])
+        print(_table(rows, ["", "params N", "tokens D", "tokens/param", "pred. loss", "N ∝ C^a"]))
+        print(f"N_opt = G (C/6)^a, D_opt = G^-1 (C/6)^b with a={e['a']:.4f}, b={e['b']:.4f}, G={e['G']:.4g}")
+    return res
+
+
+def _cmd_inference_optimal(ns: argparse.Namespace) -> Dict[str, Any]:
+    if ns.flops is None and ns.reference_params is None and ns.loss is None and ns.reference_tokens is None:
+        raise ScalingError("inference-optimal: pass --flops C, or --reference-params N [--reference-tokens D], or --loss L")
+    res = inference_optimal(ns.flops, ns.inference_tokens, ns.fit, reference_params=ns.reference_params,
+                            reference_tokens=ns.reference_tokens, target_loss=ns.loss)
+    if not ns.json:
+        print(f"Inference-optimal model (Sardana et al. 2024) for the quality of the {res['target']}")
+        _print_fit_header(res["fit"])
+        print(f"target loss {res['loss']:.4f}, lifetime inference {_si(res['inference_tokens'])} tokens "
+              f"(cost = 6 N D_train + 2 N D_inf)")
+        cols = [("baseline", res["baseline"], "compute-optimal, same loss")]
+        if "reference" in res:
+            cols.append(("reference", res["reference"], "given model"))
+        cols.append(("optimal", res, "inference-optimal"))
+        rows = []
+        for label, key in (("params N", "n_params"), ("train tokens D", "n_tokens"), ("tokens/param", "tokens_per_param"),
+                           ("training FLOPs", "training_flops"), ("inference FLOPs", "inference_flops"),
+                           ("total FLOPs", "total_flops")):
+            rows.append([label] + [f"{c[key]:.1f}" if key == "tokens_per_param" else
+                                   (_si(c[key]) if key in ("n_params", "n_tokens") else f"{c[key]:.4g}") for _, c, _ in cols])
+        print(_table(rows, [""] + [f"{name} ({desc})" for name, _, desc in cols]))
+        sv = res["savings"]
+        print(f"saves {sv['flops']:.4g} FLOPs ({sv['percent']:.1f}%) vs the compute-optimal model of the same loss; "
+              f"{res['param_ratio']:.1%} of its params, {res['token_ratio']:.2f}x its tokens")
+        if "savings_vs_reference" in res:
+            sr = res["savings_vs_reference"]
+            print(f"saves {sr['flops']:.4g} FLOPs ({sr['percent']:.1f}%) vs the given reference model")
+    return res
+
+
+def _cmd_model_info(ns: argparse.Namespace) -> Dict[str, Any]:
+    res = model_info(ns.model, zero_stage=ns.zero_stage, world_size=ns.world_size, micro_batch=ns.micro_batch,
+                     seq_len=ns.seq_len, offload_optimizer=ns.offload_optimizer,
+                     checkpointing=True if ns.activation_checkpointing else None, attention=ns.attention)
+    if not ns.json:
+        a, c = res["model_args"], res["params"]
+        print(f"model {ns.model}: dim={a['dim']} n_layers={a['n_layers']} n_heads={a['n_heads']} "
+              f"n_kv_heads={a['n_kv_heads'] or a['n_heads']} head_dim={a['head_dim']} ffn={a['ffn_hidden_dim']} vocab={a['vocab_size']}"
+              f"{' tied' if a['tie_embeddings'] else ''}")
+        print(_table([["total", f"{c['total']:,}", _si(c["total"])],
+                      ["embedding", f"{c['embedding']:,}", _si(c["embedding"])],
+                      ["non-embedding", f"{c['non_embedding']:,}", _si(c["non_embedding"])]],
+                     ["parameters", "count", ""]))
+        print(f"meta-device build: {res['meta_param_count']:,} params in {res['meta_build_seconds']:.2f}s")
+        print(f"training FLOPs/token at seq_len {res['seq_len']}: {res['flops_per_token']:.4g}")
+        st = res["model_state"]
+        print(f"\nmodel states per GPU: ZeRO-{ns.zero_stage}, {ns.world_size} rank(s)"
+              f"{', optimizer offloaded to CPU' if ns.offload_optimizer else ''}")
+        rows = [[k] + [_gib(st[dt][k]) for dt in ("bf16", "fp32")]
+                for k in ("params", "grads", "optimizer_states", "total", "cpu_optimizer_states")]
+        print(_table(rows, ["", "bf16 mixed (2+2+12 B)", "fp32 (4+4+8 B, +4 B master in ZeRO-1/2/3)"]))
+        print(_table([[f"ZeRO-{z}"] + [_gib(v[dt]) for dt in ("bf16", "fp32")]
+                      for z, v in res["model_state_total_by_stage"].items()],
+                     [f"all stages, {ns.world_size} rank(s)", "bf16 total", "fp32 total"]))
+        act = res["activations"]
+        print(f"\nactivations per micro-batch (b={ns.micro_batch}, s={res['seq_len']}, "
+              f"checkpointing={'on' if act['bf16']['checkpointing'] else 'off'}, attention={ns.attention}):")
+        print(_table([[k] + [_gib(act[dt][k]) for dt in ("bf16", "fp32")] for k in ("per_layer", "layers", "recompute", "head", "total")],
+                     ["", "bf16", "fp32"]))
+        print(f"per GPU (model states + activations): bf16 {_gib(res['per_gpu_total']['bf16'])}, "
+              f"fp32 {_gib(res['per_gpu_total']['fp32'])}")
+    return res
+
+
+def _cmd_shape(ns: argparse.Namespace) -> Dict[str, Any]:
+    from llama_train.model import count_params
+
+    args = shape_for_params(ns.params, ns.vocab, ns.max_seq_len, count=ns.count, tie_embeddings=ns.tie_embeddings,
+                            tolerance=ns.tolerance)
+    counts = count_params(args)
+    res = {"model_args": _args_dict(args), "params": counts, "target": ns.params, "count": ns.count,
+           "relative_error": counts[ns.count] / ns.params - 1.0, "aspect_ratio": args.dim / args.n_layers}
+    if not ns.json:
+        print(f"LLaMA shape for {_si(ns.params)} {ns.count} params (vocab {ns.vocab}):")
+        a = res["model_args"]
+        print(_table([[k, a[k]] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden_dim",
+                                           "multiple_of", "vocab_size", "max_seq_len", "tie_embeddings")]))
+        print(f"params: total {counts['total']:,}, non-embedding {counts['non_embedding']:,} "
+              f"({res['relative_error']:+.2%} vs target); dim/n_layers = {res['aspect_ratio']:.0f}")
+        print("yaml (configs/model/<name>.yaml):")
+        for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len", "tie_embeddings"):
+            v = a[k]
+            print(f"  {k}: {str(v).lower() if isinstance(v, bool) else v}")
+    return res
+
+
+def _cmd_fit(ns: argparse.Namespace) -> Dict[str, Any]:
+    runs, skipped = collect_runs(ns.sweep_dir, params=ns.params)
+    if len(runs) < 5:
+        raise ScalingError(
+            f"fit: {len(runs)} usable run(s) under {ns.sweep_dir} (need >= 5 with metrics.jsonl holding a "
+            f"val_loss and run_info.json); skipped: {skipped[:5]}"
+        )
+    result = fit_loss_law([r.n_params for r in runs], [r.tokens for r in runs], [r.val_loss for r in runs],
+                          top_k=ns.top_k, name=Path(ns.sweep_dir).name or "fitted")
+    law = result.law
+    budgets = []
+    for budget, members in group_budgets(runs):
+        best = min(members, key=lambda r: r.val_loss)
+        n_opt, d_opt = law.optimal(budget)
+        budgets.append({"flops": budget, "runs": len(members), "best_run": best.run, "best_n_params": best.n_params,
+                        "best_val_loss": best.val_loss, "fitted_n_opt": n_opt, "fitted_d_opt": d_opt,
+                        "fitted_loss": law.loss(n_opt, d_opt)})
+    res = {**result.to_dict(), "params_convention": ns.params, "runs": [vars(r) for r in runs],
+           "skipped": skipped, "budgets": budgets}
+    if ns.out:
+        res["plot"] = str(plot_isoflops(runs, law, ns.out))
+    if ns.save_fit:
+        import yaml
+
+        Path(ns.save_fit).write_text(yaml.safe_dump(law.to_dict(), sort_keys=False))
+        res["saved_fit"] = ns.save_fit
+    if not ns.json:
+        print(f"fitted L(N,D) = E + A/N^alpha + B/D^beta on {result.n_points} runs ({ns.params} params), "
+              f"Huber delta={result.delta:g} on log loss, best of {result.n_starts} L-BFGS starts")
+        print(_table([[k, f"{getattr(law, k):.5g}"] for k in ("E", "A", "B", "alpha", "beta")]))
+        print(f"compute-optimal: N_opt ∝ C^{law.a:.4f}, D_opt ∝ C^{law.b:.4f}, G={law.G:.4g}; "
+              f"rms log residual {result.rms_log_residual:.4f}")
+        print(_table([[f"{b['flops']:.3g}", b["runs"], _si(b["best_n_params"]), f"{b['best_val_loss']:.4f}",
+                       _si(b["fitted_n_opt"]), f"{b['fitted_loss']:.4f}"] for b in budgets],
+                     ["budget (FLOPs)", "runs", "best run N", "its loss", "fitted N_opt", "fitted loss"]))
+        if skipped:
+            print(f"skipped {len(skipped)} run(s): " + "; ".join(f"{s['run']}: {s['reason']}" for s in skipped[:10]))
+        if ns.out:
+            print(f"plot: {res['plot']}")
+        if ns.save_fit:
+            print(f"fit saved to {ns.save_fit} (use it with --fit {ns.save_fit})")
+    return res
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fits = ", ".join(f"{k} ({v.source.split(',')[0]})" for k, v in FITS.items())
+    parser = argparse.ArgumentParser(
+        prog="llama-plan",
+        description="Scaling-law planner: compute-optimal and inference-optimal model sizes, model memory, shapes, fits.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser, fit: bool = True) -> None:
+        p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
+        if fit:
+            p.add_argument("--fit", default="chinchilla",
+                           help=f"loss-law constants: {fits}; or a YAML file with E, A, B, alpha, beta")
+
+    p = sub.add_parser("compute-optimal", help="loss-optimal N, D for a training budget (Hoffmann et al. 2022)")
+    p.add_argument("--flops", type=_float, required=True, help="training budget C in FLOPs (C = 6 N D)")
+    common(p)
+    p.set_defaults(func=_cmd_compute_optimal)
+
+    p = sub.add_parser("inference-optimal", help="lifetime-cost-optimal N, D at a fixed loss (Sardana et al. 2024)")
+    p.add_argument("--flops", type=_float, help="target quality = the compute-optimal model of this budget")
+    p.add_argument("--reference-params", type=_float, help="target quality = this model size ...")
+    p.add_argument("--reference-tokens", type=_float, help="... trained on this many tokens (default: compute-optimal)")
+    p.add_argument("--loss", type=float, help="target quality as a predicted loss")
+    p.add_argument("--inference-tokens", type=_float, required=True, help="lifetime inference tokens D_inf")
+    common(p)
+    p.set_defaults(func=_cmd_inference_optimal)
+
+    p = sub.add_parser("model-info", help="params, FLOPs/token, ZeRO model-state and activation memory of a model")
+    p.add_argument("--model", required=True, help="preset name (configs/model) or a model yaml path")
+    p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
+    p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per forward")
+    p.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
+    p.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer state in host memory")
+    p.add_argument("--activation-checkpointing", action="store_true", help="force per-block recomputation on")
+    p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
+    common(p, fit=False)
+    p.set_defaults(func=_cmd_model_info)
+
+    p = sub.add_parser("shape", help="a LLaMA-shaped ModelArgs for a target parameter count")
+    p.add_argument("--params", type=_float, required=True, help="target parameter count (e.g. 1.3e9 or 1.3B)")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--count", default="total", choices=["total", "non_embedding"],
+                   help="which count must hit the target (Chinchilla: total)")
+    p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--tolerance", type=float, default=0.02, help="relative tolerance on the count")
+    common(p, fit=False)
+    p.set_defaults(func=_cmd_shape)
+
+    p = sub.add_parser("fit", help="fit L(N,D) to a sweep's final validation losses; IsoFLOP plot")
+    p.add_argument("sweep_dir", help="folder with run dirs (each: metrics.jsonl + run_info.json)")
+    p.add_argument("--out", help="write the IsoFLOP/frontier plot to this PNG")
+    p.add_argument("--params", default="total", choices=["total", "non_embedding"], help="which N to fit on")
+    p.add_argument("--save-fit", help="write the fitted constants to this YAML (usable as --fit)")
+    p.add_argument("--top-k", type=int, default=64,
+                   help="run L-BFGS from the k best of the paper's 4500 initialisations (0 = all)")
+    common(p, fit=False)
+    p.set_defaults(func=_cmd_fit)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if getattr(ns, "top_k", None) == 0:
+        ns.top_k = None
+    try:
+        res = ns.func(ns)
+        if ns.json:
+            print(json.dumps(jsonable(res), indent=2))
+    except ScalingError as exc:
+        print(f"llama-plan {ns.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `llama-plan ... | head`
+        sys.stderr.close()
+        return 0
+    return 0

@@ -1,0 +1,331 @@
+"""Planners: the loss-optimal (N, D) for a training budget (Hoffmann et al. 2022), the
+lifetime-cost-optimal (N, D) at a fixed loss (Sardana et al. 2024), a LLaMA shape for a
+parameter count, and :func:`plan_experiment`, which turns a ``scaling:`` config into the model
+and step count a run trains with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple, Union
+
+from llama_train.scaling.laws import APPROACH1, APPROACH2, LossLaw, ScalingError, lifetime_optimal, load_fit
+
+if TYPE_CHECKING:  # torch is imported lazily so the pure-math planners start instantly
+    from llama_train.config import ScalingConfig
+    from llama_train.model import ModelArgs
+
+FitSpec = Union[str, Path, LossLaw, Dict[str, Any]]
+
+
+# =============================================================================================
+# Compute-optimal (Hoffmann et al. 2022)
+# =============================================================================================
+
+def compute_optimal(flops: float, fit: FitSpec = "chinchilla") -> Dict[str, Any]:
+    """The loss-minimising (N, D) for a training budget of ``flops`` = 6 N D.
+
+    Keys: n_params, n_tokens, tokens_per_param, loss, flops, fit (constants + source),
+    exponents (a, b, G of N_opt = G (C/6)^a, D_opt = G^-1 (C/6)^b), and approaches
+    (the paper's Approach 1 and 2 power laws at the same budget).
+    """
+    law = load_fit(fit)
+    n, d = law.optimal(flops)
+    out: Dict[str, Any] = {
+        "flops": float(flops),
+        "n_params": n,
+        "n_tokens": d,
+        "tokens_per_param": d / n,
+        "loss": law.loss(n, d),
+        "fit": law.to_dict(),
+        "exponents": {"a": law.a, "b": law.b, "G": law.G},
+        "approaches": {},
+    }
+    for frontier in (APPROACH1, APPROACH2):
+        n_k, d_k = frontier.optimal(flops)
+        out["approaches"][frontier.name] = {
+            "n_params": n_k, "n_tokens": d_k, "tokens_per_param": d_k / n_k,
+            "a": frontier.a, "b": 1.0 - frontier.a, "coefficient": frontier.k, "source": frontier.source,
+        }
+    return out
+
+
+# =============================================================================================
+# Inference-optimal (Sardana et al. 2024)
+# =============================================================================================
+
+def _costs(n: float, d: float, d_inf: float) -> Dict[str, float]:
+    train, infer = 6.0 * n * d, 2.0 * n * d_inf
+    return {"n_params": n, "n_tokens": d, "tokens_per_param": d / n,
+            "training_flops": train, "inference_flops": infer, "total_flops": train + infer}
+
+
+def inference_optimal(
+    flops: Optional[float] = None,
+    inference_tokens: float = 0.0,
+    fit: FitSpec = "chinchilla",
+    *,
+    reference_params: Optional[float] = None,
+    reference_tokens: Optional[float] = None,
+    target_loss: Optional[float] = None,
+) -> Dict[str, Any]:
+    """Cheapest (N, D_train) over the model's lifetime at a fixed predicted loss.
+
+    The target loss comes from exactly one of: ``flops`` (the compute-optimal model of that
+    budget), ``reference_params`` (+ optional ``reference_tokens``; without them the
+    compute-optimal model of that size), or ``target_loss``. The answer minimises
+    6 N D_train + 2 N D_inf on the iso-loss curve (Sardana et al. 2024, Eq. 3).
+
+    Keys: n_params, n_tokens, tokens_per_param, loss, training_flops, inference_flops,
+    total_flops, baseline (the compute-optimal model of the same loss, serving the same
+    D_inf), savings {flops, percent} against it, param_ratio, token_ratio; and, when
+    reference_tokens is given, reference + savings_vs_reference.
+    """
+    law = load_fit(fit)
+    if reference_tokens is not None and reference_params is None:
+        raise ScalingError("inference_optimal: reference_tokens needs reference_params (the model it trains)")
+    given = [x is not None for x in (flops, reference_params, target_loss)]
+    if sum(given) != 1:
+        raise ScalingError(
+            "inference_optimal: give exactly one of flops (compute-optimal reference), "
+            "reference_params (+ optional reference_tokens) or target_loss"
+        )
+    d_inf = float(inference_tokens)
+    if not math.isfinite(d_inf) or d_inf < 0:
+        raise ScalingError(f"inference_tokens={inference_tokens!r} must be a finite number >= 0")
+
+    loss, how, reference = _target(law, flops, reference_params, reference_tokens, target_loss, d_inf)
+    n_base, d_base = law.optimal_for_loss(loss)
+    n, d = lifetime_optimal(law, loss, d_inf)
+    best = _costs(n, d, d_inf)
+    base = _costs(n_base, d_base, d_inf)
+    out: Dict[str, Any] = {
+        **best,
+        "loss": loss,
+        "inference_tokens": d_inf,
+        "target": how,
+        "fit": law.to_dict(),
+        "baseline": {**base, "description": "compute-optimal (Chinchilla-style) model of the same loss"},
+        "savings": _savings(base, best),
+        "param_ratio": n / n_base,
+        "token_ratio": d / d_base,
+    }
+    if reference is not None:
+        out["reference"] = {**reference, "description": how}
+        out["savings_vs_reference"] = _savings(reference, best)
+    return out
+
+
+def _target(
+    law: LossLaw,
+    flops: Optional[float],
+    reference_params: Optional[float],
+    reference_tokens: Optional[float],
+    target_loss: Optional[float],
+    d_inf: float,
+) -> Tuple[float, str, Optional[Dict[str, float]]]:
+    """inference_optimal's target: (loss, how it was chosen, the given reference model's costs or None)."""
+    if flops is not None:
+        n_ref, d_ref = law.optimal(flops)
+        return law.loss(n_ref, d_ref), f"compute-optimal model for C={float(flops):.3g} FLOPs", None
+    if target_loss is not None:
+        loss = float(target_loss)
+        return loss, f"target loss {loss}", None
+    n_ref = float(reference_params)
+    if not math.isfinite(n_ref) or n_ref <= 0:
+        raise ScalingError(f"reference_params={reference_params!r} must be a number > 0")
+    if reference_tokens is None:
+        d_ref = law.optimal(law.flops_where_optimal(n_ref))[1]
+        return law.loss(n_ref, d_ref), f"compute-optimal model with N={n_ref:.4g} params", None
+    d_ref = float(reference_tokens)
+    if not math.isfinite(d_ref) or d_ref <= 0:
+        raise ScalingError(f"reference_tokens={reference_tokens!r} must be a number > 0")
+    how = f"given model N={n_ref:.4g} params, D={d_ref:.4g} tokens"
+    return law.loss(n_ref, d_ref), how, _costs(n_ref, d_ref, d_inf)
+
+
+def _savings(base: Dict[str, float], best: Dict[str, float]) -> Dict[str, float]:
+    saved = base["total_flops"] - best["total_flops"]
+    return {"flops": saved, "percent": 100.0 * saved / base["total_flops"]}
+
+
+# =============================================================================================
+# Shape search
+# =============================================================================================
+
+def _head_dim_for(dim: int) -> int:
+    return 32 if dim < 512 else 64 if dim < 2048 else 128
+
+
+def _kv_heads_for(n_heads: int) -> int:
+    if n_heads >= 8 and n_heads % 4 == 0:
+        return n_heads // 4
+    if n_heads >= 8 and n_heads % 2 == 0:
+        return n_heads // 2
+    return n_heads
+
+
+def target_aspect_ratio(dim: int) -> float:
+    """dim / n_layers we aim for: 64 up to dim 768, 128 from dim 2048, log-linear between.
+
+    GPT-3 small/medium sit at 43-64, LLaMA 7B/13B and Llama-3 8B at 128, the 65-70B models at
+    ~102; Kaplan et al. 2020 found loss nearly flat over aspect ratios ~20-200, so this only
+    needs to be sensible, not optimal.
+    """
+    lo, hi = 768, 2048
+    if dim <= lo:
+        return 64.0
+    if dim >= hi:
+        return 128.0
+    t = math.log(dim / lo) / math.log(hi / lo)
+    return 64.0 * 2.0**t
+
+
+def shape_for_params(
+    n_params: float,
+    vocab_size: int = 32000,
+    max_seq_len: int = 2048,
+    *,
+    count: str = "total",
+    tie_embeddings: bool = False,
+    tolerance: float = 0.02,
+) -> "ModelArgs":
+    """A LLaMA-shaped ``ModelArgs`` whose ``count_params(...)[count]`` is within ``tolerance`` of n_params.
+
+    Rule: dim is a multiple of 64 below 1024 and of 128 above; head_dim 32 (dim < 512),
+    64 (dim < 2048) or 128; n_kv_heads = n_heads/4 when n_heads >= 8 and divisible by 4
+    (else n_heads/2 if even and >= 8, else plain MHA); SwiGLU hidden by the LLaMA rule with
+    multiple_of 256 (dim >= 1024) or 64. For each dim the layer count that best hits the target
+    is computed; among dims within tolerance we take the one whose dim/n_layers is closest (in
+    log) to :func:`target_aspect_ratio`. ``count="total"`` is Chinchilla's N (embeddings
+    included); use "non_embedding" for Kaplan-style counts.
+    """
+    target = float(n_params)
+    if not math.isfinite(target) or target <= 0:
+        raise ScalingError(f"n_params={n_params!r} must be a number > 0")
+    if count not in ("total", "non_embedding"):
+        raise ScalingError(f"count={count!r}: 'total' (Chinchilla N) or 'non_embedding'")
+    if not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ScalingError(f"vocab_size={vocab_size!r} must be a positive integer")
+    make = partial(_make_shape, vocab_size=vocab_size, max_seq_len=max_seq_len, tie_embeddings=tie_embeddings)
+
+    # "Nice" widths first: n_heads a multiple of 4 from dim 512 (so GQA groups of 4 divide
+    # evenly), i.e. steps of 64 below 512, 256 up to 2048, 512 above. If no depth lands
+    # within tolerance there, any multiple of 64 (<1024) / 128 may be used.
+    nice = list(range(64, 512, 64)) + list(range(512, 2048, 256)) + list(range(2048, 32768 + 1, 512))
+    best_fit, closest = _search_dims(nice, make, target, count, tolerance)
+    if best_fit is None:
+        any_dims = list(range(64, 1024, 64)) + list(range(1024, 32768 + 1, 128))
+        best_fit, closest = _search_dims(any_dims, make, target, count, tolerance)
+    if best_fit is None:
+        if closest is None:
+            emb = vocab_size * 64 * (1 if tie_embeddings else 2)
+            raise ScalingError(
+                f"shape_for_params: {target:.3g} params is below the smallest model with vocab_size="
+                f"{vocab_size} (embeddings alone ~{emb:.3g} at dim 64); use a smaller vocab, "
+                f"tie_embeddings=True, or count='non_embedding'"
+            )
+        raise ScalingError(
+            f"shape_for_params: no LLaMA shape within {tolerance:.0%} of {target:.3g} params "
+            f"(closest: dim={closest[1]}, n_layers={closest[2]}, off by {closest[0]:.1%}); "
+            f"raise tolerance or change vocab_size={vocab_size}"
+        )
+    _, _, dim, layers = best_fit
+    return make(dim, layers)
+
+
+def _make_shape(dim: int, layers: int, *, vocab_size: int, max_seq_len: int, tie_embeddings: bool) -> "ModelArgs":
+    from llama_train.model import ModelArgs
+
+    hd = _head_dim_for(dim)
+    n_heads = dim // hd
+    return ModelArgs(dim=dim, n_layers=layers, n_heads=n_heads, n_kv_heads=_kv_heads_for(n_heads),
+                     vocab_size=vocab_size, multiple_of=256 if dim >= 1024 else 64,
+                     max_seq_len=max_seq_len, tie_embeddings=tie_embeddings)
+
+
+def _search_dims(
+    dims: Sequence[int], make: Callable[[int, int], "ModelArgs"], target: float, count: str, tolerance: float,
+) -> Tuple[Optional[Tuple[float, float, int, int]], Optional[Tuple[float, int, int]]]:
+    """For each dim the depth nearest ``target``: the best (aspect miss, error, dim, layers) within
+    tolerance, and the closest (error, dim, layers) at all (None where no depth >= 1 fits)."""
+    from llama_train.model import count_params
+
+    best: Optional[Tuple[float, float, int, int]] = None
+    closest: Optional[Tuple[float, int, int]] = None
+    for dim in dims:
+        c1 = count_params(make(dim, 1))[count]
+        per_layer = count_params(make(dim, 2))[count] - c1
+        base = c1 - per_layer
+        layers = min(int(round((target - base) / per_layer)), 256)
+        if layers < 1:
+            continue
+        err = abs(base + layers * per_layer - target) / target
+        if closest is None or err < closest[0]:
+            closest = (err, dim, layers)
+        if err <= tolerance:
+            miss = abs(math.log((dim / layers) / target_aspect_ratio(dim)))
+            if best is None or (miss, err) < best[:2]:
+                best = (miss, err, dim, layers)
+    return best, closest
+
+
+# =============================================================================================
+# Experiments: a ``scaling:`` config -> the model and step count a run trains with
+# =============================================================================================
+
+@dataclass(frozen=True)
+class ExperimentPlan:
+    """What ``experiment=compute_optimal|inference_optimal|isoflop`` trains; see :func:`plan_experiment`."""
+
+    mode: str  # compute_optimal | inference_optimal | fixed
+    flops: float  # the training budget C
+    n_params: float  # the planned N (before shape rounding)
+    n_tokens: float  # the planned D
+    model: "ModelArgs"  # the shape chosen for n_params
+    max_steps: int
+    warmup_steps: int
+
+    def describe(self) -> str:
+        """One line for the log."""
+        m = self.model
+        return (f"{self.mode}: C={self.flops:.3g} FLOPs -> N={self.n_params:.3g} params (dim {m.dim}, "
+                f"{m.n_layers} layers, {m.n_heads} heads), D={self.n_tokens:.3g} tokens, {self.max_steps} steps")
+
+
+def plan_experiment(
+    s: "ScalingConfig", model: "ModelArgs", seq_len: int, tokens_per_step: int, warmup_steps: int,
+) -> Optional[ExperimentPlan]:
+    """The plan for ``scaling.mode`` (None for "none"): N and D from the compute-optimal or
+    inference-optimal allocation of ``s.flops`` (or ``s.params`` trained on flops / 6N tokens,
+    "fixed", a point of an IsoFLOP sweep), a LLaMA shape for N, and the steps that train on D
+    tokens at ``tokens_per_step``; warmup is capped at a tenth of them. Nothing is mutated.
+    Raises ConfigError naming the missing ``scaling.*`` key.
+    """
+    if s.mode == "none":
+        return None
+    from llama_train.config import ConfigError
+
+    if s.flops is None or s.flops <= 0:
+        raise ConfigError(f"scaling.mode={s.mode} needs scaling.flops > 0 (the training budget C).")
+    vocab = s.vocab_size or model.vocab_size
+    if s.mode == "compute_optimal":
+        plan = compute_optimal(s.flops, fit=s.fit)
+    elif s.mode == "inference_optimal":
+        if not s.inference_tokens or s.inference_tokens <= 0:
+            raise ConfigError("scaling.mode=inference_optimal needs scaling.inference_tokens > 0.")
+        plan = inference_optimal(s.flops, s.inference_tokens, fit=s.fit)
+    else:  # fixed: a point of an IsoFLOP sweep
+        if not s.params or s.params <= 0:
+            raise ConfigError("scaling.mode=fixed needs scaling.params > 0.")
+        plan = {"n_params": s.params, "n_tokens": s.flops / (6 * s.params)}
+    # 5%: below ~1M parameters the shape grid (dim 64, whole layers) is coarse
+    shape = shape_for_params(plan["n_params"], vocab_size=vocab, max_seq_len=max(seq_len, model.max_seq_len),
+                             tolerance=0.05)
+    max_steps = max(1, math.ceil(plan["n_tokens"] / tokens_per_step))
+    return ExperimentPlan(mode=s.mode, flops=float(s.flops), n_params=float(plan["n_params"]),
+                          n_tokens=float(plan["n_tokens"]), model=shape, max_steps=max_steps,
+                          warmup_steps=min(warmup_steps, max(1, max_steps // 10)))

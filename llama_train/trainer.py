@@ -1,0 +1,474 @@
+"""The training loop: build -> resume -> loop {batch, forward/backward, step, log, eval, save}.
+
+:class:`Trainer` reads top to bottom: :meth:`Trainer.fit` is the loop, :meth:`Trainer.train_step`
+one optimizer step. The pieces it calls are components with small interfaces: the DeepSpeed
+boundary (:class:`llama_train.engine.Engine`), checkpoints (:class:`CheckpointManager`), the data
+stream (:class:`TrainLoader`), tracking (:class:`Tracker`), recovery from bad steps
+(:class:`Recovery`) and hooks (fault injection, benchmarks). Everything a checkpoint must carry
+about the loop itself is one :class:`TrainState`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from llama_train import engine as eng
+from llama_train.checkpoint import (CheckpointManager, prepare_universal, read_state, rng_state,
+                                    set_rng_state)
+from llama_train.config import ConfigError, to_container
+from llama_train.data import DataError, Tokenizer, TrainLoader, val_batches
+from llama_train.data.tokenizer import file_sha256
+from llama_train.faults import FaultInjector
+from llama_train.hooks import Hook
+from llama_train.model import Transformer, count_params, flops_per_token
+from llama_train.optim import lr_at, param_groups
+from llama_train.recovery import Recovery
+from llama_train.tracking import Tracker
+
+log = logging.getLogger("llama_train")
+
+
+@dataclass
+class TrainState:
+    """The loop's own progress; travels in every checkpoint (trainer_state.json)."""
+
+    step: int = 0
+    tokens: int = 0
+    skipped_steps: int = 0
+    rollbacks: int = 0
+    skip_windows: List[List[int]] = field(default_factory=list)  # [from, to) global samples
+    loss_ema: Optional[float] = None  # running mean of good losses (spike detection)
+    bad_streak: int = 0
+    streak_start: int = 0  # global sample where the current streak of bad steps began
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
+                "rollbacks": self.rollbacks, "skip_windows": [list(w) for w in self.skip_windows],
+                "fault": {"loss_ema": self.loss_ema, "bad_streak": self.bad_streak,
+                          "streak_start": self.streak_start}}
+
+    def load_state_dict(self, d: Dict[str, Any]) -> None:
+        fault = d.get("fault", {})
+        self.step, self.tokens = d["step"], d["tokens"]
+        self.skipped_steps, self.rollbacks = d.get("skipped_steps", 0), d.get("rollbacks", 0)
+        self.skip_windows = [list(w) for w in d.get("skip_windows", [])]
+        self.loss_ema = fault.get("loss_ema")
+        self.bad_streak, self.streak_start = fault.get("bad_streak", 0), fault.get("streak_start", 0)
+
+
+@dataclass
+class StepOutput:
+    loss: float
+    lr: float
+    result: eng.StepResult
+    seconds: float
+    data_wait_s: float
+    verdict: Optional[str]
+    stop_requested: bool
+    window_end: int
+
+
+class StopSignals:
+    """SIGTERM/SIGINT: remember them; the loop finishes the step, saves and exits. Every rank
+    learns of a signal that reached any rank through the per-step all-reduce."""
+
+    def __init__(self):
+        self.received: List[int] = []
+        self._before = {s: signal.signal(s, lambda signum, _frame: self.received.append(signum))
+                        for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore(self) -> None:
+        """Give the signals back to whoever had them (an embedding program, a test runner)."""
+        for s, handler in self._before.items():
+            signal.signal(s, handler)
+
+    def exit_code(self) -> int:
+        return 128 + (self.received[0] if self.received else signal.SIGTERM)
+
+
+class Trainer:
+    def __init__(self, pre, hooks: Sequence[Hook] = ()):
+        """Build: process group, resume point, model, engine, data, tracking. ``pre`` is the
+        :class:`llama_train.train.Preflight` (config checked, data prepared)."""
+        self.cfg, self.rt, self.plan, self.prepared = pre.cfg, pre.rt, pre.plan, pre.prepared
+        self.model_args = pre.model_args
+        cfg, t, rt = self.cfg, pre.cfg.trainer, pre.rt
+        faults = FaultInjector.from_env(rt.rank)
+        self.hooks: List[Hook] = [faults, *hooks]
+        eng.init_distributed(cfg.comm, rt.device_type)
+        log.info("process group up: %d ranks over %s", rt.world_size, dist.get_backend())
+        torch.manual_seed(t.seed)
+        self.ckpts = CheckpointManager(t.output_dir, t.keep_last, t.verify_checksums, rt.rank,
+                                       rt.world_size, faults)
+        self.resume_from = self.ckpts.resolve_resume(t.resume)  # verified before unpickling
+        self.universal = self._check_resume_point()
+        self.engine = self._build_engine()
+        self.loader = TrainLoader(self.prepared.dir, seq_len=t.seq_len,
+                                  global_batch=self.plan.global_batch,
+                                  micro_batch=self.plan.micro_batch, dp_rank=rt.rank,
+                                  dp_world=rt.world_size, seed=cfg.data.seed,
+                                  num_workers=cfg.data.num_workers,
+                                  pin_memory=rt.device_type == "cuda")
+        self.run_config = to_container(OmegaConf.structured(cfg))
+        self.tracker = Tracker(cfg.tracking, t.output_dir, rt.rank, self.run_config)
+        self.state = TrainState()
+        self.recovery = Recovery(cfg.recovery, self.state, self.tracker)
+        self.fpt = flops_per_token(self.model_args, t.seq_len)
+        precision = eng.resolve_precision(cfg.deepspeed, rt.device_type)
+        self.peak = eng.PeakFlops(rt.device, precision, rt.world_size, t.peak_flops)
+        self.losses: Dict[int, float] = {}
+        self.val_loss: Optional[float] = None
+        self._log_start(precision)
+
+    def _check_resume_point(self) -> bool:
+        """The checkpoint must continue this run's data order with this tokenizer; True when it
+        must be loaded through DeepSpeed's universal format (another world size)."""
+        if self.resume_from is None:
+            return False
+        saved = read_state(self.resume_from)
+        if saved["global_batch"] != self.plan.global_batch:
+            raise ConfigError(
+                f"checkpoint {self.resume_from} was trained with a global batch of "
+                f"{saved['global_batch']} sequences, this run has {self.plan.global_batch}: keep "
+                f"the global batch (trainer.global_batch) when resuming so the data order "
+                f"continues.")
+        _check_checkpoint_tokenizer(self.resume_from, self.prepared)
+        if saved["world_size"] != self.rt.world_size and saved["zero_stage"] > 0:
+            prepare_universal(self.resume_from, self.rt.rank)
+            return True
+        return False
+
+    def _build_engine(self) -> eng.Engine:
+        t = self.cfg.trainer
+        model = Transformer(self.model_args)
+        model.init_weights()
+        if t.init_from and self.resume_from is None:
+            load_initial_weights(model, self.model_args, t.init_from)
+        if t.compile:
+            for block in model.layers:
+                block.compile()  # in place: parameter names stay those of the plain model
+        ds_config = eng.build_ds_config(self.cfg.deepspeed, self.cfg.optim, self.plan,
+                                        self.rt.device_type, universal=self.universal)
+        return eng.initialize(model, param_groups(model, self.cfg.optim), ds_config)
+
+    def _log_start(self, precision: str) -> None:
+        if not self.rt.is_main:
+            return
+        out, n = Path(self.cfg.trainer.output_dir), count_params(self.model_args)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(self.run_config))
+        self.write_run_info()
+        p = self.plan
+        log.info("model: %s params (%s non-embedding); %d ranks x micro %d x accum %d = global "
+                 "batch %d x %d tokens; ZeRO-%d %s on %s; peak %.3g FLOP/s",
+                 f"{n['total']:,}", f"{n['non_embedding']:,}", self.rt.world_size, p.micro_batch,
+                 p.grad_accum, p.global_batch, p.seq_len, self.cfg.deepspeed.zero_stage,
+                 precision, self.rt.device_type, self.peak.value)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def fit(self) -> Dict[str, Any]:
+        """The whole run; returns a summary (final step, losses) for callers such as tests."""
+        t, s = self.cfg.trainer, self.state
+        self.resume()
+        self.stop = stop = StopSignals()
+        try:
+            self.data_iter = iter(self.loader)
+            self.last_good = self.resume_from  # a rollback returns here: the newest of this run
+            last_saved = s.step if self.resume_from is not None else -1
+            first_step, run_done = s.step, False
+            self.engine.train()
+            self._t_log = time.perf_counter()
+            while s.step < t.max_steps:
+                for h in self.hooks:
+                    h.on_step_begin(s.step + 1)
+                out = self.train_step(stop)
+                if self.recovery.must_roll_back(out.verdict):
+                    self.recovery.roll_back(out.verdict, out.window_end, self.last_good,
+                                            self._roll_back_to, t.save_every)
+                    self.losses = {k: v for k, v in self.losses.items() if k <= s.step}
+                    last_saved = s.step
+                    continue
+                self.losses[s.step] = out.loss
+                metrics = self.log_step(out)
+                if s.step % t.eval_every == 0 or s.step == t.max_steps:
+                    self.evaluate()
+                run_done = (t.steps_this_run is not None
+                            and s.step - first_step >= t.steps_this_run)
+                if (s.step % t.save_every == 0 or s.step == t.max_steps or out.stop_requested
+                        or run_done):
+                    self.last_good, last_saved = self.save(), s.step
+                for h in self.hooks:
+                    h.on_step_end(s.step, metrics)
+                if out.stop_requested:
+                    log.warning("signal %s: saved step %d, exiting",
+                                stop.received or "(other rank)", s.step)
+                    self.close()
+                    raise SystemExit(stop.exit_code())
+                if run_done:
+                    log.info("trainer.steps_this_run=%d reached at step %d: checkpoint saved, "
+                             "exiting", t.steps_this_run, s.step)
+                    break
+            if last_saved != s.step and not run_done:
+                self.last_good = self.save()
+        except BaseException:
+            self.loader.close()  # its workers ignore SIGTERM: stop them on every way out
+            raise
+        finally:
+            stop.restore()
+        sample = self.finish()
+        return {"step": s.step, "losses": self.losses, "val_loss": self.val_loss,
+                "sample": sample, "skipped_steps": s.skipped_steps, "rollbacks": s.rollbacks}
+
+    def train_step(self, stop: Optional[StopSignals] = None) -> StepOutput:
+        """One optimizer step over ``grad_accum`` micro-batches of this rank's slice of the
+        next global batch."""
+        s, p, cfg = self.state, self.plan, self.cfg
+        skip_to = self.recovery.skip_bad_windows(self.loader.consumed_samples, s.step + 1)
+        if skip_to is not None:  # data that caused a rollback is never read again
+            self.loader.skip_samples(skip_to - self.loader.consumed_samples)
+            self.data_iter = iter(self.loader)
+        window_start = self.loader.consumed_samples
+        batch_no = window_start // p.global_batch + 1  # this step's global batch in the stream
+        t0 = time.perf_counter()
+        lr = lr_at(s.step + 1, lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps,
+                   max_steps=cfg.trainer.max_steps, min_lr_ratio=cfg.optim.min_lr_ratio)
+        self.engine.set_lr(lr)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        data_wait = 0.0
+        for micro in range(p.grad_accum):
+            t_data = time.perf_counter()
+            x, y = next(self.data_iter)  # x, y: (micro_batch, seq_len) token ids
+            data_wait += time.perf_counter() - t_data
+            _check_token_ids(x, y, self.model_args.vocab_size, self.prepared.dir, window_start)
+            x = x.to(self.rt.device, non_blocking=True)
+            y = y.to(self.rt.device, non_blocking=True)
+            _, loss = self.engine(x, y)
+            for h in self.hooks:
+                loss = h.on_loss(batch_no, loss)
+            self.engine.backward(loss)
+            loss_sum += loss.detach().double().cpu()
+            if micro < p.grad_accum - 1:
+                self.engine.micro_step()
+        loss, nonfinite, stop_requested = self._all_ranks(loss_sum, stop)
+        result = self.engine.step(nonfinite)
+        s.step += 1
+        s.tokens += p.tokens_per_step
+        if self.rt.device_type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        verdict = self.recovery.judge(s.step, loss, result.applied, result.nonfinite,
+                                      window_start, batch_no)
+        return StepOutput(loss, lr, result, seconds, data_wait, verdict, stop_requested,
+                          self.loader.consumed_samples)
+
+    def _all_ranks(self, loss_sum: torch.Tensor, stop: Optional[StopSignals]):
+        """One small all-reduce per step: the mean loss (NaN if any rank saw a non-finite one),
+        whether any rank did, and whether any rank was asked to stop."""
+        finite = bool(torch.isfinite(loss_sum))
+        stats = torch.tensor([loss_sum.item() if finite else 0.0, 0.0 if finite else 1.0,
+                              1.0 if stop is not None and stop.received else 0.0],
+                             dtype=torch.float64).to(self.rt.device)
+        dist.all_reduce(stats)
+        total, bad, stopping = stats.cpu().tolist()
+        n = self.plan.grad_accum * self.rt.world_size
+        return (float("nan") if bad > 0 else total / n), bad > 0, stopping > 0
+
+    # -- around the step -----------------------------------------------------------------------
+    def log_step(self, out: StepOutput) -> Dict[str, Any]:
+        t, s = self.cfg.trainer, self.state
+        if not (s.step % t.log_every == 0 or s.step == t.max_steps or s.step == 1
+                or out.verdict is not None):
+            return {}
+        grad_norm = out.result.grad_norm
+        tps = self.plan.tokens_per_step / out.seconds
+        metrics = {"loss": out.loss, "lr": out.lr, "grad_norm": grad_norm, "tokens": s.tokens,
+                   "tokens_per_s": tps, "mfu": self.peak.mfu(self.fpt * tps),
+                   "step_time_s": out.seconds, "data_wait_s": out.data_wait_s,
+                   "skipped_steps": s.skipped_steps, **eng.memory_stats(self.rt.device)}
+        self.tracker.log(s.step, metrics)
+        if self.rt.is_main and self.cfg.tracking.console:
+            log.info("step %5d/%d | loss %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | mfu %.1f%% | "
+                     "%.1fs", s.step, t.max_steps, out.loss, out.lr,
+                     grad_norm if grad_norm is not None else float("nan"), tps,
+                     100 * metrics["mfu"], time.perf_counter() - self._t_log)
+            self._t_log = time.perf_counter()
+        return metrics
+
+    def evaluate(self) -> float:
+        """Mean loss over ``trainer.eval_batches`` micro-batches of the validation split per
+        rank, averaged over ranks."""
+        t, rt = self.cfg.trainer, self.rt
+        self.engine.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        with torch.no_grad():
+            for x, y in val_batches(self.prepared.dir, t.seq_len, t.micro_batch, t.eval_batches,
+                                    rt.rank, rt.world_size):
+                _, loss = self.engine(x.to(rt.device), y.to(rt.device))
+                total += torch.tensor([loss.double().item(), 1.0], dtype=torch.float64)
+        total = total.to(rt.device)
+        dist.all_reduce(total)
+        self.engine.train()
+        self.val_loss = (total[0] / total[1].clamp(min=1)).item()
+        ppl = math.exp(min(self.val_loss, 50.0))
+        self.tracker.log(self.state.step, {"val_loss": self.val_loss, "val_ppl": ppl})
+        log.info("step %5d | val_loss %.4f | val_ppl %.2f", self.state.step, self.val_loss, ppl)
+        return self.val_loss
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save(self) -> Path:
+        t0, step = time.perf_counter(), self.state.step
+        path = self.ckpts.save(
+            self.engine, step,
+            trainer_state={**self.state.state_dict(), "data": self.loader.state_dict(),
+                           "tracker": self.tracker.state_dict(),
+                           "world_size": self.rt.world_size,
+                           "zero_stage": self.cfg.deepspeed.zero_stage,
+                           "global_batch": self.plan.global_batch,
+                           "seq_len": self.cfg.trainer.seq_len},
+            rank_state={"rng": rng_state()},
+            describe={"config": self.run_config, "model_args": asdict(self.model_args),
+                      "tokenizer": self.prepared.tokenizer_path},
+        )
+        self.tracker.event(step, "checkpoint", path=str(path),
+                           seconds=round(time.perf_counter() - t0, 3))
+        return path
+
+    def resume(self) -> None:
+        """Continue from ``resume_from`` (if any) and open the tracker's sinks."""
+        ckpt = self.resume_from
+        if ckpt is not None:
+            saved = self._restore(ckpt)
+            self.tracker.load_state_dict(saved["tracker"])
+            log.info("resumed from %s at step %d (%d tokens)", ckpt, self.state.step,
+                     self.state.tokens)
+        self.tracker.start(resume_step=self.state.step if ckpt is not None else None,
+                           checkpoint=str(ckpt) if ckpt is not None else None)
+        if ckpt is not None:
+            self.tracker.event(self.state.step, "resume", checkpoint=str(ckpt))
+
+    def _restore(self, ckpt: Path) -> Dict[str, Any]:
+        """Load ``ckpt`` into the engine, the train state, the data position and (same world
+        size) the RNGs. Returns its saved state."""
+        universal = self.universal and ckpt == self.resume_from
+        saved, rank_state = self.ckpts.load(self.engine, ckpt, universal)
+        self.state.load_state_dict(saved)
+        self.loader.load_state_dict(saved["data"])
+        self.data_iter = iter(self.loader)
+        if rank_state and not universal:
+            set_rng_state(rank_state["rng"])
+        return saved
+
+    def _roll_back_to(self, ckpt: Path) -> None:
+        """Recovery's way back: verify the checkpoint again, restore it, and cut the metrics
+        back to it (events stay on record)."""
+        saved = self._restore(self.ckpts.resolve_resume(str(ckpt)))
+        self.tracker.rewind(saved["tracker"].get("metrics_lines"), self.state.step)
+
+    # -- the end -------------------------------------------------------------------------------
+    def finish(self) -> str:
+        """A text sample, the final run_info.json, then close."""
+        sample = generate_sample(self.engine, self.cfg.sample, self.cfg.trainer.seed,
+                                 self.prepared.tokenizer_path, self.rt)
+        if self.rt.is_main:
+            log.info("sample: %r", sample)
+            (Path(self.cfg.trainer.output_dir) / "sample.txt").write_text(sample + "\n")
+            self.write_run_info(final_val_loss=self.val_loss, final_step=self.state.step)
+        self.close()
+        return sample
+
+    def close(self) -> None:
+        self.tracker.finish()
+        self.loader.close()
+        if dist.is_initialized():
+            dist.barrier()  # the group itself is destroyed in main(), after every multirun job
+
+    def write_run_info(self, **extra) -> None:
+        cfg, p, n = self.cfg, self.plan, count_params(self.model_args)
+        steps = cfg.trainer.max_steps
+        info = {"params": n, "model_args": asdict(self.model_args),
+                "flop_budget": cfg.scaling.flops if cfg.scaling.mode != "none" else None,
+                "tokens": steps * p.tokens_per_step, "global_batch": p.global_batch,
+                "seq_len": p.seq_len, "max_steps": steps, "flops_per_token": self.fpt,
+                "flops": self.fpt * steps * p.tokens_per_step, **extra}
+        (Path(cfg.trainer.output_dir) / "run_info.json").write_text(json.dumps(info, indent=1))
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks and helpers the trainer uses
+
+
+def _check_token_ids(x, y, vocab_size: int, prepared_dir: str, window_start: int) -> None:
+    """Token ids outside the vocabulary (a shard changed on disk after prepare) would index
+    past the embedding: refuse them before the forward pass."""
+    lo, hi = int(x.min()), int(x.max())
+    bad_y = bool(((y >= vocab_size) | ((y < 0) & (y != -100))).any())
+    if lo < 0 or hi >= vocab_size or bad_y:
+        raise DataError(
+            f"token ids outside [0, model.vocab_size={vocab_size}) in the global batch starting "
+            f"at sample {window_start} of {prepared_dir} (min {lo}, max {hi}): the shards are "
+            f"corrupt or from another tokenizer. Check them with data.verify=true, or delete "
+            f"{prepared_dir} and prepare again."
+        )
+
+
+def _check_checkpoint_tokenizer(ckpt: Path, prepared) -> None:
+    """A checkpoint resumed on data encoded by another tokenizer would train on garbage."""
+    theirs = Path(ckpt) / "tokenizer.model"
+    ours = prepared.meta["tokenizer"].get("sha256")
+    if theirs.is_file() and ours and file_sha256(theirs) != ours:
+        raise DataError(
+            f"checkpoint {ckpt} was trained with a different tokenizer (sha256 "
+            f"{file_sha256(theirs)[:12]}) than the data in {prepared.dir} (sha256 {ours[:12]}): "
+            f"prepare the data with data.tokenizer={theirs}, or start a new trainer.output_dir."
+        )
+
+
+def load_initial_weights(model, model_args, path: str) -> None:
+    """trainer.init_from: weights from a Hugging Face Llama directory or a llama-import file."""
+    from llama_train.hf import import_hf
+    from llama_train.model import ModelArgs
+
+    p = Path(path)
+    if p.is_dir():
+        args, sd = import_hf(p)
+    else:
+        blob = torch.load(p, map_location="cpu", weights_only=True)
+        args, sd = ModelArgs(**blob["model_args"]), blob["model"]
+    for name in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim"):
+        if getattr(args, name) != getattr(model_args, name):
+            raise ConfigError(
+                f"trainer.init_from={path} has {name}={getattr(args, name)} but the model "
+                f"config has {getattr(model_args, name)}: pick the matching model preset."
+            )
+    model.load_state_dict(sd, strict=True)
+    log.info("initialised weights from %s", path)
+
+
+def generate_sample(engine: eng.Engine, sample_cfg, seed: int, tokenizer_path: str, rt) -> str:
+    """Greedy-ish text from the trained model (ZeRO-3: every rank takes part in the gather)."""
+    tok = Tokenizer(tokenizer_path)
+    model = engine.module
+    model.eval()
+    prompt = tok.encode(sample_cfg.prompt, bos=False, eos=False)
+    gen = torch.Generator(device=rt.device).manual_seed(seed)
+    text = ""
+    with engine.gathered_params():
+        if rt.is_main or engine.zero_stage == 3:
+            out = model.generate(torch.tensor([prompt], device=rt.device),
+                                 max_new_tokens=sample_cfg.tokens,
+                                 temperature=sample_cfg.temperature, top_k=sample_cfg.top_k,
+                                 eos_id=tok.eos_id, generator=gen)
+            text = tok.decode(out[0].tolist())
+    model.train()
+    return text

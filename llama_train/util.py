@@ -1,0 +1,50 @@
+"""Small helpers shared by several components: durable directory writes and JSON values."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(d: Path) -> None:
+    """Make a rename or a new file in ``d`` durable (best effort where the fs refuses)."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file, then every directory, under ``root``."""
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    for d in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
+        fsync_dir(d)
+
+
+def jsonable(x: Any) -> Any:
+    """A value ``json.dumps`` accepts and a reader can tell apart: numpy scalars become Python
+    numbers; NaN and infinities become the strings "nan", "inf", "-inf" (JSON has no such
+    numbers, and dropping them to null would hide a diverged run)."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if hasattr(x, "item") and callable(x.item) and not isinstance(x, (str, bytes)):
+        try:
+            x = x.item()
+        except (ValueError, TypeError, RuntimeError):
+            return x
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x

@@ -1,0 +1,228 @@
+"""The fast tier: the training loop, recovery and checkpoint round trips in this process.
+
+One rank, no launcher: the real Trainer, DeepSpeed engine (ZeRO-0 and ZeRO-1 on a gloo group of
+one), data stream, checkpoints and tracker, on the tiny model. What needs several processes
+(ZeRO across ranks, kill -9, lost ranks, resharding) is in the launcher tests; this tier is for
+the edit-test loop (`make test-fast`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+
+from helpers import TINY
+from llama_train.checkpoint import find_latest, read_state
+from llama_train.config import load_config
+from llama_train.hooks import Hook
+from llama_train.optim import lr_at
+from llama_train.paths import CONFIG_DIR
+from llama_train.proc import free_port
+from llama_train.train import train
+
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "LLAMA_TRAIN_FAULTS")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    """This process as rank 0 of 1: the first Trainer starts the group, later ones reuse it; the
+    group and the launcher variables are gone again after the module."""
+    before = {k: os.environ.get(k) for k in LAUNCH_VARS}
+    threads = torch.get_num_threads()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def faults(monkeypatch):
+    def set_faults(spec: str) -> None:
+        monkeypatch.setenv("LLAMA_TRAIN_FAULTS", spec)
+    monkeypatch.delenv("LLAMA_TRAIN_FAULTS", raising=False)
+    return set_faults
+
+
+def cfg_for(out: Path, *overrides: str):
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        return load_config(compose("config", overrides=[*TINY, "trainer.micro_batch=4",
+                                                        f"trainer.output_dir={out}",
+                                                        *overrides]))
+
+
+def rows(out: Path):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_rows(out: Path):
+    return {r["step"]: r for r in rows(out) if "loss" in r}
+
+
+class Recorder(Hook):
+    def __init__(self):
+        self.calls = []
+
+    def on_step_begin(self, step):
+        self.calls.append(("begin", step))
+
+    def on_step_end(self, step, metrics):
+        self.calls.append(("end", step, sorted(metrics)))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """8 uninterrupted steps, ZeRO-0, a checkpoint every 4 and an evaluation every 4."""
+    out = tmp_path_factory.mktemp("fast") / "reference"
+    hook = Recorder()
+    summary = train(cfg_for(out, "trainer.max_steps=8", "trainer.save_every=4",
+                            "trainer.eval_every=4"), hooks=[hook])
+    return out, summary, hook
+
+
+def test_loop_logs_every_step_with_its_schedule_and_timing(reference):
+    out, summary, hook = reference
+    logged = step_rows(out)
+    assert sorted(logged) == list(range(1, 9)) and summary["step"] == 8
+    for step, r in logged.items():
+        assert r["lr"] == pytest.approx(lr_at(step, lr=3e-4, warmup_steps=20, max_steps=8,
+                                              min_lr_ratio=0.1))
+        assert r["tokens"] == step * 4 * 64 and r["grad_norm"] > 0
+        assert 0 <= r["data_wait_s"] < r["step_time_s"]
+    assert logged[8]["loss"] < logged[1]["loss"]
+    assert [r["step"] for r in rows(out) if "val_loss" in r] == [4, 8]
+    assert summary["losses"] == {s: r["loss"] for s, r in logged.items()}
+    assert (out / "sample.txt").read_text().strip()
+    # hooks: begin before end, once per step, the logged metrics handed over
+    assert [c[:2] for c in hook.calls] == [(k, s) for s in range(1, 9) for k in ("begin", "end")]
+    assert "data_wait_s" in hook.calls[1][2]
+
+
+def test_resume_continues_bit_identically(reference, tmp_path):
+    """4 steps, stop; then the same command with max_steps=8 resumes: identical losses."""
+    ref, _, _ = reference
+    out = tmp_path / "resumed"
+    train(cfg_for(out, "trainer.max_steps=8", "trainer.save_every=4", "trainer.eval_every=4",
+                  "trainer.steps_this_run=4"))
+    assert find_latest(out / "checkpoints")[0].name == "step_00000004"
+    summary = train(cfg_for(out, "trainer.max_steps=8", "trainer.save_every=4",
+                            "trainer.eval_every=4"))
+    ref_losses = {s: r["loss"] for s, r in step_rows(ref).items()}
+    assert {s: r["loss"] for s, r in step_rows(out).items()} == ref_losses
+    assert summary["losses"] == {s: v for s, v in ref_losses.items() if s > 4}
+    state = read_state(out / "checkpoints" / "step_00000008")
+    assert (state["step"], state["tokens"], state["rollbacks"]) == (8, 8 * 4 * 64, 0)
+    assert [r["event"] for r in rows(out) if "event" in r] == ["checkpoint", "resume",
+                                                                "checkpoint"]
+
+
+def test_truncated_checkpoint_falls_back_with_warning(reference, tmp_path, capfd):
+    """The newest checkpoint (step 8) is truncated: resume uses step 4, warns, redoes 5..8."""
+    import shutil
+
+    from llama_train.checkpoint import verify
+
+    ref, _, _ = reference
+    out = tmp_path / "corrupt"
+    shutil.copytree(ref, out)
+    newest = out / "checkpoints" / "step_00000008"
+    victim = max(newest.rglob("*.pt"), key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    assert "truncated" in verify(newest)
+    train(cfg_for(out, "trainer.max_steps=8", "trainer.save_every=4", "trainer.eval_every=4"))
+    err = capfd.readouterr().err
+    assert "skipping checkpoint" in err and "step_00000008" in err
+    resumed = [r for r in rows(out) if r.get("event") == "resume"]
+    assert len(resumed) == 1 and resumed[0]["checkpoint"].endswith("step_00000004")
+    assert ({s: r["loss"] for s, r in step_rows(out).items()}
+            == {s: r["loss"] for s, r in step_rows(ref).items()})
+
+
+def test_zero1_checkpoint_round_trip(reference, tmp_path):
+    """ZeRO-1 (a partitioned optimizer) saves and resumes exactly too, and matches ZeRO-0."""
+    ref, _, _ = reference
+    out = tmp_path / "zero1"
+    args = ["deepspeed.zero_stage=1", "trainer.max_steps=8", "trainer.save_every=4",
+            "trainer.eval_every=4"]
+    train(cfg_for(out, *args, "trainer.steps_this_run=4"))
+    train(cfg_for(out, *args))
+    got, want = step_rows(out), step_rows(ref)
+    assert max(abs(got[s]["loss"] - want[s]["loss"]) for s in want) < 1e-4
+
+
+def test_recovery_skips_rolls_back_and_never_rereads_bad_data(tmp_path, faults):
+    """Batch 3 NaN (skipped), batches 5-6 NaN (2 in a row: rollback to step 4, window skipped),
+    batch 8 x1000 (spike: rollback to step 7)."""
+    faults("nan:batch=3;nan:batch=5;nan:batch=6;loss_scale:batch=8,factor=1000")
+    out = tmp_path / "faults"
+    summary = train(cfg_for(out, "trainer.max_steps=10", "trainer.save_every=1",
+                            "trainer.keep_last=20", "recovery.max_bad_steps=2",
+                            "recovery.spike_factor=3", "recovery.spike_warmup_steps=2"))
+    events = [r for r in rows(out) if "event" in r]
+    kinds = [e["event"] for e in events if e["event"] != "checkpoint"]
+    assert kinds == ["skipped_step", "skipped_step", "skipped_step", "rollback", "data_skipped",
+                     "spike", "rollback", "data_skipped"], kinds
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    g = 4
+    assert [e["skip_window"] for e in rollbacks] == [[4 * g, 6 * g], [7 * g, 8 * g]]
+    assert (summary["rollbacks"], summary["skipped_steps"], summary["step"]) == (2, 3, 10)
+    logged = step_rows(out)
+    assert sorted(logged) == list(range(1, 11))  # one line per step after the rewinds
+    # the skipped steps 3 and 5 stay on record (NaN); step 5's checkpoint was the way back
+    assert [s for s, r in logged.items() if r["loss"] == "nan"] == [3, 5]
+    state = read_state(out / "checkpoints" / "step_00000010")
+    assert state["skip_windows"] == [[16, 24], [28, 32]] and state["rollbacks"] == 2
+    # steps 1-10 read batches 1-5, 7, 9-12: batches 6 and 8 were never read again
+    assert state["data"]["consumed_samples"] == 12 * g
+
+
+def test_rollback_without_a_checkpoint_gives_up_clearly(tmp_path, faults):
+    from llama_train.recovery import TrainingAborted
+
+    faults("loss_scale:batch=4,factor=1000")
+    with pytest.raises(TrainingAborted, match="no checkpoint yet.*trainer.save_every"):
+        train(cfg_for(tmp_path / "abort", "trainer.max_steps=6", "recovery.spike_factor=3",
+                      "recovery.spike_warmup_steps=2"))
+
+
+def test_sigterm_saves_the_step_and_exits_143(tmp_path):
+    class Terminate(Hook):
+        def on_step_begin(self, step):
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    out = tmp_path / "sigterm"
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stop:
+        train(cfg_for(out, "trainer.max_steps=8"), hooks=[Terminate()])
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert find_latest(out / "checkpoints")[0].name == "step_00000003"
+    assert signal.getsignal(signal.SIGTERM) == before  # handlers given back
+
+
+def test_failing_save_loses_nothing(tmp_path, faults):
+    from llama_train.checkpoint import CheckpointError
+
+    faults("save_error:step=4,rank=0,errno=ENOSPC")
+    out = tmp_path / "enospc"
+    with pytest.raises(CheckpointError, match="No space left.*step_00000002"):
+        train(cfg_for(out, "trainer.max_steps=6", "trainer.save_every=2"))
+    assert find_latest(out / "checkpoints")[0].name == "step_00000002"
+    assert not list((out / "checkpoints").glob(".tmp-*"))
