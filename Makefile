@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED := 1
 # checkouts never rebuild each other's copy.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: setup train test test-fast clean
+.PHONY: setup train test test-fast gpu-check clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ test: $(STAMP)
 # The edit-test loop: everything in one process (no launcher), the loop included (< 1 min).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# On a machine with CUDA GPUs: every GPU path, measured (launch/gpu_check.sh); skips without one.
+gpu-check:
+	bash launch/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache
