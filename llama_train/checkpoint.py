@@ -56,10 +56,10 @@ class CheckpointError(RuntimeError):
 class SaveFaults:
     """Where a save can be made to fail on purpose (see llama_train.faults); here: never."""
 
-    def check_mkdir(self, step: int, rank: int, path: Path) -> None:
+    def check_mkdir(self, step: int, path: Path) -> None:
         return None
 
-    def failing_writes(self, step: int, rank: int):
+    def failing_writes(self, step: int):
         return contextlib.nullcontext()
 
 
@@ -186,14 +186,14 @@ class CheckpointManager:
                 self.root.mkdir(parents=True, exist_ok=True)
                 if tmp.exists():
                     shutil.rmtree(tmp)
-                faults.check_mkdir(step, self.rank, tmp)
+                faults.check_mkdir(step, tmp)
                 tmp.mkdir()
         except OSError as e:
             error = f"rank 0 could not create {tmp}: {e}"
         error = _agree(error)
         if error is None:
             try:
-                with faults.failing_writes(step, self.rank):
+                with faults.failing_writes(step):
                     engine.save(str(tmp), DS_TAG)  # holds an I/O error until all ranks return
                     (tmp / "ranks").mkdir(exist_ok=True)
                     torch.save(rank_state, tmp / "ranks" / f"rank_{self.rank:05d}.pt")

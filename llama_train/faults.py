@@ -145,13 +145,13 @@ class FaultInjector(Hook, SaveFaults):
                 return f
         return None
 
-    def check_mkdir(self, step: int, rank: int, path) -> None:
+    def check_mkdir(self, step: int, path) -> None:
         f = self._save_fault(step, "mkdir")
         if f is not None:
             raise OSError(f.errno, os.strerror(f.errno), str(path))
 
     @contextlib.contextmanager
-    def failing_writes(self, step: int, rank: int) -> Iterator[None]:
+    def failing_writes(self, step: int) -> Iterator[None]:
         """During one checkpoint save: the planned ``torch.save`` call writes half its bytes and
         raises, like a disk that fills up in the middle of a file."""
         f = self._save_fault(step, "write")

@@ -45,9 +45,9 @@ def ds_shm_buffer(addr: str, port, rank: int) -> str:
     return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
 
 
-def remove_ds_shm(addr: str, port, ranks) -> None:
-    """Remove DeepSpeed's CPU all-reduce buffers of a job: ``ranks`` is a count or an iterable."""
-    for rank in (range(ranks) if isinstance(ranks, int) else ranks):
+def remove_ds_shm(addr: str, port, ranks: int) -> None:
+    """Remove DeepSpeed's CPU all-reduce buffers of a job of ``ranks`` ranks."""
+    for rank in range(ranks):
         try:
             os.unlink(ds_shm_buffer(addr, port, rank))
         except OSError:

@@ -181,7 +181,7 @@ class Trainer:
         """The whole run; returns a summary (final step, losses) for callers such as tests."""
         t, s = self.cfg.trainer, self.state
         self.resume()
-        self.stop = stop = StopSignals()
+        stop = StopSignals()
         try:
             self.data_iter = iter(self.loader)
             self.last_good = self.resume_from  # a rollback returns here: the newest of this run

@@ -143,6 +143,7 @@ def bench_1b(work: Path, dry: bool) -> dict:
                 cmd = [sys.executable, "-m", "llama_train.bench.train", "--device", "cuda",
                        "--precision", "bf16", "--seq-len", "2048", "--micro-batch", str(mb),
                        "--steps", "10", "--warmup", "3", "--rounds", "2",
+                       "--interleave", "run",  # one side at a time: each gets the whole GPU
                        "--json", str(out), *[a for o in shape for a in ("--override", o)],
                        "--override", f"model.activation_checkpointing={str(ckpt).lower()}"]
                 if compiled:

@@ -145,8 +145,6 @@ def run_hf(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     model, opt, opt_kind, loader, device = _setup(spec)
     result = _train(spec, model, opt, loader, device)
-    close = getattr(loader, "close", None)
-    if close:
-        close()
+    loader.close()
     result.update(mem_gb=memory_stats(device)["mem_gb"], optimizer=opt_kind)  # as ours logs it
     (Path(spec_path).parent / RESULT_FILE).write_text(json.dumps(result))
