@@ -158,11 +158,55 @@ def read_state(ckpt: Path) -> Dict[str, Any]:
     return json.loads((ckpt / STATE).read_text())
 
 
+# ----------------------------------------------------------------------------------------------
+# One output_dir, one history: what a run leaves there, and setting it aside to start over
+
+ARCHIVE = "archive"
+# What a run writes in its output_dir (besides the metrics file and its W&B dir): moved by
+# trainer.on_existing=archive, deleted by overwrite. Anything else there is left alone.
+RUN_FILES = ("checkpoints", "config.yaml", "run_info.json", "sample.txt")
+
+
+def existing_history(output_dir: str, metrics_file: str) -> List[str]:
+    """What of a previous run's history the output_dir holds (empty: none). Partial saves
+    (``.tmp-step_*``) are not history: they are removed by the next save."""
+    out = Path(output_dir)
+    found = [p.name for p in _step_dirs(out / "checkpoints")]
+    found = [f"checkpoints/{n}" for n in reversed(found)]
+    metrics = out / metrics_file
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append(metrics_file)
+    return found
+
+
+def set_aside_history(output_dir: str, mode: str, extra: Tuple[str, ...] = ()) -> Optional[Path]:
+    """trainer.on_existing=archive: move the run's files to ``archive/<UTC time>/`` (returned);
+    overwrite: delete them. ``extra``: more names (the metrics file, the W&B dir)."""
+    import time
+
+    out = Path(output_dir)
+    present = [out / n for n in (*RUN_FILES, *extra) if (out / n).exists()]
+    if mode == "overwrite":
+        for p in present:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest, n = out / ARCHIVE / stamp, 1
+    while dest.exists():
+        dest, n = out / ARCHIVE / f"{stamp}-{n}", n + 1
+    dest.mkdir(parents=True)
+    for p in present:
+        os.rename(p, dest / p.name)
+    fsync_dir(out)
+    return dest
+
+
 class CheckpointManager:
     """Saves and finds checkpoints; every rank calls ``save`` (DeepSpeed writes shards per rank)."""
 
     def __init__(self, output_dir: str, keep_last: int, checksums: bool, rank: int,
                  world_size: int, faults: Optional["SaveFaults"] = None):
+        self.output_dir = output_dir
         self.root = Path(output_dir) / "checkpoints"
         self.faults = faults if faults is not None else SaveFaults()
         self.keep_last = keep_last
@@ -253,16 +297,26 @@ class CheckpointManager:
             shutil.rmtree(stale, ignore_errors=True)
 
     # -- find --------------------------------------------------------------------------------
-    def resolve_resume(self, resume: str) -> Optional[Path]:
-        """Rank 0 picks (and verifies) the checkpoint to resume from; all ranks get its path."""
+    def resolve_resume(self, resume: str, on_existing: str = "refuse",
+                       metrics_file: str = "metrics.jsonl",
+                       run_files: Tuple[str, ...] = ()) -> Optional[Path]:
+        """Rank 0 picks (and verifies) the checkpoint to resume from; all ranks get its path.
+
+        ``auto`` with checkpoints of which none verifies refuses (CheckpointError, nothing
+        touched) unless ``on_existing`` archives or overwrites the old history; so does
+        ``never`` in a directory that holds a history (preflight refuses that case earlier).
+        ``run_files``: more of the run's files (its W&B dir), set aside with the checkpoints."""
         import torch.distributed as dist
 
         choice: List[Any] = [None, []]
         if self.rank == 0:
             if resume == "never":
-                choice = [None, []]
+                choice = [None, self._start_over(on_existing, (metrics_file, *run_files), None)]
             elif resume == "auto":
                 path, warnings = find_latest(self.root, self.checksums)
+                if path is None and warnings:
+                    warnings = self._start_over(on_existing, (metrics_file, *run_files),
+                                                warnings)
                 choice = [str(path) if path else None, warnings]
             else:
                 reason = verify(Path(resume), self.checksums)
@@ -275,9 +329,38 @@ class CheckpointManager:
         for w in warnings:
             if w.startswith("ERROR: "):
                 raise CheckpointError(w[len("ERROR: "):])
+            if w.startswith("CONFIG: "):
+                from llama_train.config import ConfigError
+
+                raise ConfigError(w[len("CONFIG: "):])
             if self.rank == 0:
                 log.warning(w)
         return Path(path) if path else None
+
+    def _start_over(self, on_existing: str, run_files: Tuple[str, ...],
+                    unusable: Optional[List[str]]) -> List[str]:
+        """Rank 0, starting from step 0: the old history stays (refused) or is set aside.
+        Returns the messages for all ranks (an ``ERROR: `` or ``CONFIG: `` one refuses). ``run_files``: the
+        metrics file first, then more names to set aside."""
+        history = existing_history(self.output_dir, run_files[0])
+        if not history:
+            return list(unusable or [])
+        if on_existing == "refuse":
+            if unusable is None:  # resume=never (preflight refuses this before the group)
+                return [f"CONFIG: trainer.resume=never but {self.output_dir} holds a run "
+                        f"({', '.join(history[-3:])}); set trainer.on_existing=archive or "
+                        f"overwrite, or use another trainer.output_dir."]
+            listed = "; ".join(w.removeprefix("skipping checkpoint ") for w in unusable)
+            return [f"ERROR: trainer.resume=auto: none of the {len(unusable)} checkpoint(s) in "
+                    f"{self.root} verifies: {listed}. Nothing was changed. Restore a good copy "
+                    f"and relaunch, or start over explicitly with trainer.on_existing=archive "
+                    f"(moves the old history to {Path(self.output_dir) / ARCHIVE}/<time>/) or "
+                    f"trainer.on_existing=overwrite (deletes it)."]
+        dest = set_aside_history(self.output_dir, on_existing, run_files)
+        what = f"archived to {dest}" if dest else "deleted (trainer.on_existing=overwrite)"
+        return [*(unusable or []), f"starting over at step 0: the previous history in "
+                f"{self.output_dir} ({len(history)} item(s): {', '.join(history[-3:])}) was "
+                f"{what}"]
 
     # -- load --------------------------------------------------------------------------------
     def load(self, engine, ckpt: Path, universal: bool) -> Tuple[Dict[str, Any], Dict[str, Any]]:

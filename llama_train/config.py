@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -82,6 +82,13 @@ class TrainerConfig:
     save_every: int = 100
     keep_last: int = 3
     resume: str = "auto"  # auto | never | <checkpoint path>
+    # A run that starts from step 0 in an output_dir holding another history (checkpoints or
+    # metrics): refuse (exit 2; exit 3 when resume=auto found only checkpoints that fail to
+    # verify), archive it to <output_dir>/archive/<UTC time>/, or overwrite (delete) it.
+    on_existing: str = "refuse"
+    # Run-defining keys (model.*, optim.*, data.*, trainer.seed, ...) that may differ from the
+    # checkpoint's when resuming, e.g. [optim.lr] or a whole group [optim]; docs/reliability.md.
+    allow_config_change: List[str] = field(default_factory=list)
     steps_this_run: Optional[int] = None  # stop (with a checkpoint) after this many steps
     init_from: Optional[str] = None  # start from weights: a HF Llama dir or a llama-import .pt
     seed: int = 1337
@@ -99,6 +106,7 @@ class TrainerConfig:
         if self.resume not in ("auto", "never") and not os.path.exists(self.resume):
             raise ConfigError(f"trainer.resume={self.resume!r} is neither 'auto', 'never' nor an "
                               f"existing checkpoint path.")
+        _check_choice("trainer.on_existing", self.on_existing, ("refuse", "archive", "overwrite"))
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise ConfigError(f"trainer.peak_flops={self.peak_flops} must be > 0 or null "
                               f"(measure).")
@@ -151,10 +159,22 @@ class DeepSpeedConfig:
     offload_params: bool = False
     overlap_comm: bool = False
     contiguous_gradients: bool = True
-    reduce_bucket_size: int = 50_000_000
-    allgather_bucket_size: int = 50_000_000
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 100_000
+    # Bucket sizes and thresholds in elements. None: scaled to the model width as HF's DeepSpeed
+    # integration sets "auto" (see zero_sizes), so a 270M model does not hold a 100 MB bucket per
+    # rank and a 70B model still reduces and prefetches in large collectives.
+    reduce_bucket_size: Optional[int] = None  # dim^2
+    allgather_bucket_size: int = 50_000_000  # ZeRO-1/2
+    stage3_prefetch_bucket_size: Optional[int] = None  # 0.9 dim^2
+    stage3_param_persistence_threshold: Optional[int] = None  # 10 dim
+    # ZeRO-3 releases a parameter after use and gathers it again in backward (reuse distance 0,
+    # like FSDP's default reshard-after-forward), and keeps at most dim^2 gathered elements beyond
+    # what the module in use needs. DeepSpeed's defaults (1e9 each) keep every parameter of a
+    # model below 1e9 gathered from forward to backward, 2 B/param more on every rank; a large
+    # max_live alone (with reuse distance 0) still kept 1.9 B/param more at 268M on 8 ranks
+    # (docs/benchmarks-memory.md). Raise them for more prefetch overlap where memory allows.
+    stage3_max_reuse_distance: int = 0
+    stage3_max_live_parameters: Optional[int] = None  # dim^2
+    sub_group_size: int = 1_000_000_000  # ZeRO-3 optimizer step granularity (DeepSpeed's default)
     steps_per_print: int = 1_000_000  # our logger prints; keep DeepSpeed's own quiet
 
     def __post_init__(self) -> None:
@@ -170,7 +190,34 @@ class DeepSpeedConfig:
                 "deepspeed.offload_optimizer=true needs deepspeed.zero_stage >= 1: the optimizer "
                 "state is only partitioned (and offloadable) under ZeRO."
             )
-        _check_positive("deepspeed", self, ["reduce_bucket_size", "allgather_bucket_size"])
+        _check_positive("deepspeed", self, ["allgather_bucket_size", "sub_group_size"])
+        _check_positive("deepspeed", self, ["stage3_max_reuse_distance"], allow_zero=True)
+        for name in ("reduce_bucket_size", "stage3_prefetch_bucket_size",
+                     "stage3_param_persistence_threshold", "stage3_max_live_parameters"):
+            value = getattr(self, name)
+            positive = name in ("reduce_bucket_size", "stage3_max_live_parameters")
+            if value is not None and value < (1 if positive else 0):
+                raise ConfigError(f"deepspeed.{name}={value} must be a positive number of "
+                                  f"elements, or null to scale it with the model width.")
+
+    def zero_sizes(self, dim: int) -> Dict[str, int]:
+        """DeepSpeed's zero_optimization sizes for a model of width ``dim``, unset ones resolved
+        (reduce bucket dim^2, prefetch bucket 0.9 dim^2, persistence threshold 10 dim, live
+        parameters dim^2)."""
+        def pick(value: Optional[int], auto: int) -> int:
+            return int(value) if value is not None else auto
+
+        return {
+            "reduce_bucket_size": pick(self.reduce_bucket_size, dim * dim),
+            "allgather_bucket_size": int(self.allgather_bucket_size),
+            "stage3_prefetch_bucket_size": pick(self.stage3_prefetch_bucket_size,
+                                                int(0.9 * dim * dim)),
+            "stage3_param_persistence_threshold": pick(self.stage3_param_persistence_threshold,
+                                                       10 * dim),
+            "stage3_max_reuse_distance": int(self.stage3_max_reuse_distance),
+            "stage3_max_live_parameters": pick(self.stage3_max_live_parameters, dim * dim),
+            "sub_group_size": int(self.sub_group_size),
+        }
 
 
 @dataclass
@@ -297,6 +344,59 @@ def validate(cfg: Config, world_size: int, device: str) -> BatchPlan:
     if device == "cpu" and cfg.deepspeed.precision == "fp16":
         raise ConfigError("deepspeed.precision=fp16 is not supported on CPU: use fp32 (or bf16).")
     return resolve_batch(t, world_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# Resuming under a changed config: which keys define the run
+
+
+# Keys that may change between launches of one run; the changes are logged. Everything else
+# (model.*, optim.*, data.source/seed/..., trainer.seed, trainer.seq_len, deepspeed.precision,
+# scaling.*) defines the run and must match the checkpoint unless trainer.allow_config_change
+# lists it. The global batch is compared as resolved (trainer_state.json), not as written: the
+# same batch may be spelt micro_batch x world size, global_batch or global_batch_tokens.
+SAFE_CHANGES = (
+    "trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.log_every",
+    "trainer.eval_every", "trainer.eval_batches", "trainer.micro_batch", "trainer.global_batch",
+    "trainer.global_batch_tokens", "trainer.device", "trainer.compile", "trainer.peak_flops",
+    "trainer.verify_checksums", "deepspeed.zero_stage", "deepspeed.offload_optimizer",
+    "deepspeed.offload_params", "deepspeed.overlap_comm", "deepspeed.contiguous_gradients",
+    "deepspeed.reduce_bucket_size", "deepspeed.allgather_bucket_size",
+    "deepspeed.stage3_prefetch_bucket_size", "deepspeed.stage3_param_persistence_threshold",
+    "deepspeed.steps_per_print", "data.name", "data.prepared_dir", "data.num_proc",
+    "data.num_workers", "data.verify", "data.shard_tokens", "data.dtype", "data.streaming",
+    "data.tokenizer", "data.tokenizer_max_sentences", "model.activation_checkpointing",
+    "recovery", "sample", "tracking", "comm",
+)
+# Per-launch controls: not compared at all.
+LAUNCH_KEYS = ("trainer.output_dir", "trainer.resume", "trainer.steps_this_run",
+               "trainer.on_existing", "trainer.allow_config_change", "trainer.init_from")
+
+
+def _flatten(d: Any, prefix: str = "") -> dict:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) and v
+                   else {f"{prefix}{k}": v})
+    return out
+
+
+def _under(key: str, names) -> bool:
+    return any(key == n or key.startswith(n + ".") for n in names)
+
+
+def config_changes(saved: dict, current: dict):
+    """(run-defining, safe) changes between a checkpoint's config and this run's, each a list
+    of (key, old, new). Keys the checkpoint does not have (it predates them) are not compared."""
+    old, new = _flatten(saved), _flatten(current)
+    defining, safe = [], []
+    for key in sorted(new):
+        if key not in old or old[key] == new[key] or _under(key, LAUNCH_KEYS):
+            continue
+        (safe if _under(key, SAFE_CHANGES) else defining).append((key, old[key], new[key]))
+    return defining, safe
 
 
 # ----------------------------------------------------------------------------------------------

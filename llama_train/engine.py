@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
+from llama_train import watchdog
 from llama_train.comm import CommConfig, apply_env
 from llama_train.proc import ds_shm_buffer, free_port
 from llama_train.config import BatchPlan, DeepSpeedConfig, OptimConfig
@@ -70,7 +71,9 @@ def init_distributed(comm: Optional[CommConfig] = None, device_type: str = "cpu"
     """Start the process group (the only place that does): NCCL on GPUs, its ``NCCL_*``
     variables set first from ``comm``; gloo on CPU. Expects the launcher's variables (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT); :func:`detect_runtime` sets them for a plain process.
-    Returns the backend name."""
+    With several ranks, also starts the hang watchdog (:mod:`llama_train.watchdog`): a rank that
+    makes no progress for ``comm.timeout_s`` stops every rank with exit code 5. Returns the
+    backend name."""
     import deepspeed
     import torch.distributed as dist
 
@@ -84,11 +87,38 @@ def init_distributed(comm: Optional[CommConfig] = None, device_type: str = "cpu"
     backend = apply_env(comm, device_type)
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # the watchdog (started below) stops a job after comm.timeout_s without progress from a
+    # rank; a collective gives up a few seconds later, as the backstop
+    timeout = datetime.timedelta(seconds=int(comm.timeout_s) + watchdog.COLLECTIVE_MARGIN_S)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                               timeout=datetime.timedelta(seconds=int(comm.timeout_s)))
+                               timeout=timeout)
+    _default_group_timeout(timeout)
+    if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+        # Ranks reach this point seconds apart on a loaded host (imports, DeepSpeed's op build):
+        # a skew at start-up is not a hang. Past this barrier they run in step, watched.
+        dist.monitored_barrier(timeout=max(timeout, STARTUP_TIMEOUT))
     if device_type == "cpu":
         _unlink_shm_buffer(dist.get_rank())
+    watchdog.start(comm.timeout_s, dist.get_rank(), dist.get_world_size())
     return backend
+
+
+STARTUP_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def _default_group_timeout(timeout: datetime.timedelta) -> None:
+    """Every process group created from now on has the default group's timeout.
+
+    ``init_process_group`` takes the timeout for the default group only; a group made later with
+    ``new_group`` and no timeout (DeepSpeed's ZeRO data-parallel groups) gets torch's default:
+    30 min on gloo, 10 min on NCCL. A collective stuck on such a group waited 30 min on CPU
+    whatever ``comm.timeout_s`` said (issue 12). torch reads these module defaults at each
+    ``new_group``."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), datetime.timedelta):
+        c10d.default_pg_nccl_timeout = timeout
 
 
 def _unlink_shm_buffer(rank: int) -> None:
@@ -125,22 +155,28 @@ def _torch_fused_adamw_on_cpu() -> bool:
 
 
 def build_ds_config(ds: DeepSpeedConfig, optim: OptimConfig, batch: BatchPlan,
-                    device_type: str, universal: bool = False) -> Dict[str, Any]:
+                    device_type: str, universal: bool = False, *,
+                    model_dim: int) -> Dict[str, Any]:
     """Translate our sub-configs into DeepSpeed's JSON config. ``universal``: the checkpoint to
-    load is in DeepSpeed's universal format (resuming on another world size)."""
+    load is in DeepSpeed's universal format (resuming on another world size). ``model_dim``
+    sizes the buckets our config leaves unset (:meth:`DeepSpeedConfig.zero_sizes`)."""
     precision = resolve_precision(ds, device_type)
+    sizes = ds.zero_sizes(model_dim)
     zero: Dict[str, Any] = {"stage": ds.zero_stage}
     if ds.zero_stage >= 1:
         zero.update(
             contiguous_gradients=ds.contiguous_gradients,
             overlap_comm=ds.overlap_comm,
-            reduce_bucket_size=ds.reduce_bucket_size,
-            allgather_bucket_size=ds.allgather_bucket_size,
+            reduce_bucket_size=sizes["reduce_bucket_size"],
+            allgather_bucket_size=sizes["allgather_bucket_size"],
         )
     if ds.zero_stage == 3:
         zero.update(
-            stage3_prefetch_bucket_size=ds.stage3_prefetch_bucket_size,
-            stage3_param_persistence_threshold=ds.stage3_param_persistence_threshold,
+            stage3_prefetch_bucket_size=sizes["stage3_prefetch_bucket_size"],
+            stage3_param_persistence_threshold=sizes["stage3_param_persistence_threshold"],
+            stage3_max_reuse_distance=sizes["stage3_max_reuse_distance"],
+            stage3_max_live_parameters=sizes["stage3_max_live_parameters"],
+            sub_group_size=sizes["sub_group_size"],
             stage3_gather_16bit_weights_on_model_save=False,
         )
         zero.pop("allgather_bucket_size")
@@ -180,6 +216,75 @@ def build_ds_config(ds: DeepSpeedConfig, optim: OptimConfig, batch: BatchPlan,
     elif precision == "fp16":
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     return cfg
+
+
+def build_model(model_args, ds_config: Dict[str, Any], device: torch.device,
+                seed: int) -> torch.nn.Module:
+    """The model, allocated and initialised once, ready for :func:`initialize`.
+
+    ZeRO-3: constructed on the meta device inside ``deepspeed.zero.Init``, which partitions each
+    module as ``to_empty`` materialises it, so no rank ever holds more than one module's
+    parameters whole; then each parameter is gathered alone, initialised on rank 0 by
+    ``Transformer.init_param`` and scattered back. Other stages: materialised on ``device`` and
+    initialised there. Either way the weights depend on ``seed`` only (not on the stage, world
+    size or dtype), so every configuration starts from the same model."""
+    from llama_train.model import Transformer
+
+    if ds_config["zero_optimization"]["stage"] != 3:
+        return Transformer(model_args, device=device, seed=seed)
+    import deepspeed
+    import torch._dynamo  # noqa: F401
+    import torch.distributed as dist
+
+    # zero.Init replaces torch.Tensor.__new__ while it is open, and torch._dynamo, when first
+    # imported (a meta-device op can trigger it), refuses a Tensor.__new__ with another signature
+    # (seen with offload, where nothing else had imported it yet): import it before.
+    # The dtype comes from ds_config (bf16/fp16/fp32). Not passed explicitly: DeepSpeed 0.19.8's
+    # Init turns an explicit dtype into bf16 on a CPU accelerator (an operator-precedence slip in
+    # Init._set_dtype), which rounded fp32 weights to bf16.
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = Transformer(model_args, device="meta")
+        model.to_empty(device=device)  # partitions module by module (DeepSpeed's skip_init path)
+    model.tie_weights()
+    first = dist.get_rank() == 0
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+            if first:
+                model.init_param(name, p, seed)
+    model.reset_rope()
+    return model
+
+
+def load_full_state(model: torch.nn.Module, state: Dict[str, torch.Tensor],
+                    zero_stage: int) -> None:
+    """``model.load_state_dict(state, strict=True)``, also for a ZeRO-3-partitioned model: each
+    parameter is gathered alone, rank 0 copies its value in and DeepSpeed scatters it back."""
+    if zero_stage != 3:
+        model.load_state_dict(state, strict=True)
+        return
+    import deepspeed
+    import torch.distributed as dist
+
+    names = dict(model.named_parameters())
+    missing = sorted(set(names) - set(state))
+    unexpected = sorted(set(state) - set(names) - _tied_aliases(model))
+    if missing or unexpected:
+        raise RuntimeError(f"state dict does not match the model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    first = dist.get_rank() == 0
+    with torch.no_grad():
+        for name, p in names.items():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                if first:
+                    if tuple(state[name].shape) != tuple(p.shape):
+                        raise RuntimeError(f"{name}: shape {tuple(state[name].shape)} in the "
+                                           f"state dict, {tuple(p.shape)} in the model")
+                    p.copy_(state[name])
+
+
+def _tied_aliases(model: torch.nn.Module) -> set:
+    """Names a state dict may carry for a tied parameter that ``named_parameters`` lists once."""
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)}
 
 
 def initialize(model: torch.nn.Module, param_groups, ds_config: Dict[str, Any]) -> "Engine":
@@ -249,6 +354,7 @@ class Engine:
         """The optimizer step. DeepSpeed (ZeRO>=1) skips a step whose gradients are not finite
         and counts it; ZeRO-0 has neither check nor reported norm, so both are done here, and a
         bad step leaves weights and optimizer state alone as DeepSpeed would."""
+        watchdog.note(step=self.ds.global_steps + 1, phase="train")
         if self.zero_stage == 0:
             norms = [p.grad.detach().float().norm() for p in self.ds.module.parameters()
                      if p.grad is not None]
@@ -262,15 +368,6 @@ class Engine:
         applied = self.ds.skipped_steps == skipped_before
         return StepResult(applied, nonfinite_loss or not applied, self.ds.get_global_grad_norm)
 
-    def gathered_params(self):
-        """Context in which every rank sees full parameters (ZeRO-3 gathers; else a no-op)."""
-        if self.zero_stage != 3:
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(self.ds.module.parameters()),
-                                                 modifier_rank=None)
-
     def destroy(self) -> None:
         self.ds.destroy()
 
@@ -281,7 +378,7 @@ class Engine:
         first I/O error is held until DeepSpeed returns (nothing is written after it), then
         raised on this rank; the caller makes the ranks agree."""
         held: List[BaseException] = []
-        with _hold_io_errors(self.ds, held):
+        with watchdog.phase("save"), _hold_io_errors(self.ds, held):
             self.ds.save_checkpoint(path, tag=tag, save_latest=False,
                                     client_state=_universal_info())
         if held:
@@ -290,9 +387,25 @@ class Engine:
     def load(self, path: str, tag: str) -> bool:
         """Weights, optimizer and scheduler state. Every file is unpickled with torch's
         restricted (weights-only) loader: see :func:`restricted_loads`."""
-        with restricted_loads():
+        # ZeRO-3's universal-checkpoint load (DeepSpeed 0.19.8, stage3.py
+        # load_hp_checkpoint_state_from_checkpoint_dir_stage3) (a) gives every param group the
+        # first group's hyperparameters, so the no-decay group (norms, embedding) would be
+        # decayed, and (b) hands every group's Adam state one shared `step` tensor, which the
+        # optimizer then advances once per group per step: the bias correction drifts and the
+        # losses with it (1e-3 three steps after resharding). The groups' settings come from
+        # this run's config (a resume with a changed optimizer config is refused), so they are
+        # put back, and each state gets its own step.
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in self.ds.optimizer.param_groups]
+        with watchdog.phase("load"), restricted_loads():
             load_path, _ = self.ds.load_checkpoint(path, tag=tag, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True)
+        for group, settings in zip(self.ds.optimizer.param_groups, groups):
+            group.update(settings)
+        inner = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
+        for state in getattr(inner, "state", {}).values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
         return load_path is not None
 
     def opt_state_bytes(self) -> int:

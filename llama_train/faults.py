@@ -184,7 +184,8 @@ class FaultInjector(Hook, SaveFaults):
 
 
 _COMM_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer",
-                 "broken pipe", "timed out", "socket timeout", "dist_backend")
+                 "broken pipe", "timed out", "socket timeout", "dist_backend",
+                 "application timeout")  # gloo: "Application timeout caused pair closure"
 
 
 def find_comm_error(exc: BaseException) -> Optional[BaseException]:

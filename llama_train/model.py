@@ -1,9 +1,10 @@
 """The LLaMA decoder-only transformer in plain ``torch.nn``.
 
 Nothing here knows about DeepSpeed, process groups or devices: parallelism and precision are
-applied from outside (see ``llama_train.distributed``), weights are initialised by
-``Transformer.init_weights()`` so a model can be built on the meta device to count parameters or
-plan memory of a 70B model instantly, and the module names follow Meta's reference code
+applied from outside (``llama_train.engine``), weights are initialised by
+``Transformer.init_weights()``, one parameter at a time from (seed, name), so a model can be built
+on the meta device to count parameters or plan memory of a 70B model instantly, or partitioned
+by ZeRO-3 before any weight exists, and the module names follow Meta's reference code
 (``tok_embeddings``, ``layers.{i}.attention.wq`` ...), which checkpoints and the Hugging Face
 converter (``llama_train.hf``) rely on.
 
@@ -20,6 +21,7 @@ Hugging Face. Both conventions compute the same function once the rows are permu
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -237,10 +239,10 @@ def load_preset(name_or_path: Union[str, Path]) -> ModelArgs:
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight``, normalised in fp32 (bf16 sums of squares drift)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, device: Optional[torch.device] = None):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -329,13 +331,14 @@ class KVCache:
 class Attention(nn.Module):
     """Causal self-attention with grouped-query K/V heads and RoPE, no biases."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, device: Optional[torch.device] = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        q, kv = args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+        self.wq = nn.Linear(args.dim, q, bias=False, device=device)
+        self.wk = nn.Linear(args.dim, kv, bias=False, device=device)
+        self.wv = nn.Linear(args.dim, kv, bias=False, device=device)
+        self.wo = nn.Linear(q, args.dim, bias=False, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None, start_pos: int = 0) -> torch.Tensor:
@@ -376,12 +379,12 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``, hidden size from ``ModelArgs.ffn_hidden_dim``."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, device: Optional[torch.device] = None):
         super().__init__()
         hidden = args.ffn_hidden_dim
-        self.w1 = nn.Linear(args.dim, hidden, bias=False)  # gate
-        self.w2 = nn.Linear(hidden, args.dim, bias=False)  # down
-        self.w3 = nn.Linear(args.dim, hidden, bias=False)  # up
+        self.w1 = nn.Linear(args.dim, hidden, bias=False, device=device)  # gate
+        self.w2 = nn.Linear(hidden, args.dim, bias=False, device=device)  # down
+        self.w3 = nn.Linear(args.dim, hidden, bias=False, device=device)  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -390,12 +393,12 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, device: Optional[torch.device] = None):
         super().__init__()
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, device=device)
+        self.feed_forward = FeedForward(args, device=device)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, device=device)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None, start_pos: int = 0) -> torch.Tensor:
@@ -411,21 +414,31 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """``tok_embeddings -> layers -> norm -> output``.
 
-    Build on the meta device to plan without memory (``with torch.device("meta"): Transformer(a)``),
-    then ``model.to_empty(device=d); model.init_weights()`` to materialise it.
+    Parameters are created on the meta device and materialised once: ``Transformer(args)`` (or
+    ``Transformer(args, device=d, seed=s)``) allocates them on the target device and runs
+    :meth:`init_weights`, never torch's default layer init. ``Transformer(args, device="meta")``
+    allocates nothing (planning, or construction inside ``deepspeed.zero.Init``, which partitions
+    each module as ``to_empty`` materialises it); ``model.to_empty(device=d); model.init_weights()``
+    then makes it real.
     """
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, device: Optional[Union[torch.device, str]] = None,
+                 seed: Optional[int] = None):
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        target = torch.empty(0, device=device).device  # honours `with torch.device(...)`
+        meta = torch.device("meta")
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, device=meta)
+        self.layers = nn.ModuleList(TransformerBlock(args, device=meta) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, device=meta)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False, device=meta)
         # Non-persistent: derived from args, so they never enter a checkpoint.
-        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
-        self.init_weights()
+        self.register_buffer("rope_cos", torch.empty(0, device=meta), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0, device=meta), persistent=False)
+        self.tie_weights()
+        if target.type != "meta":
+            self.to_empty(device=target)
+            self.init_weights(seed)
 
     def tie_weights(self) -> None:
         """Make ``output.weight`` the very tensor ``tok_embeddings.weight`` (if tied).
@@ -436,30 +449,46 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """LLaMA pretraining init, GPT-2/OLMo style, and the RoPE tables.
+    def init_weights(self, seed: Optional[int] = None) -> None:
+        """Every parameter from :meth:`init_param`, and the RoPE tables. ``seed`` None draws
+        one from torch's global generator (so ``torch.manual_seed`` still decides the model)."""
+        self.tie_weights()
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        for name, p in self.named_parameters():
+            self.init_param(name, p, seed)
+        self.reset_rope()
+
+    @torch.no_grad()
+    def init_param(self, name: str, p: torch.Tensor, seed: int) -> None:
+        """LLaMA pretraining init, GPT-2/OLMo style, of the parameter called ``name`` (a full,
+        unpartitioned tensor).
 
         normal(0, init_std) for the embedding and every linear; the residual output projections
         (``wo``, ``w2``) get ``init_std / sqrt(2 * n_layers)`` so the residual stream's variance
-        does not grow with depth (two residual adds per block); norm weights 1.
+        does not grow with depth (two residual adds per block); norm weights 1. Each parameter
+        draws from its own generator seeded by (seed, name), so its values do not depend on the
+        order parameters are visited in, the ZeRO stage, the world size or the dtype: ZeRO-3
+        initialises it alone, gathered, and gets what a whole-model build gets.
         """
-        self.tie_weights()
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+            return
         std = self.args.init_std
-        res_std = std / math.sqrt(2 * self.args.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, 0.0, std)
-        for layer in self.layers:
-            a, f = layer.attention, layer.feed_forward
-            for lin in (a.wq, a.wk, a.wv, f.w1, f.w3):
-                nn.init.normal_(lin.weight, 0.0, std)
-            for lin in (a.wo, f.w2):
-                nn.init.normal_(lin.weight, 0.0, res_std)
-            nn.init.ones_(layer.attention_norm.weight)
-            nn.init.ones_(layer.ffn_norm.weight)
-        nn.init.ones_(self.norm.weight)
-        if not self.args.tie_embeddings:
-            nn.init.normal_(self.output.weight, 0.0, std)
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            std = std / math.sqrt(2 * self.args.n_layers)
+        digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+        gen = torch.Generator(device=p.device).manual_seed(int.from_bytes(digest, "little") >> 1)
+        if p.dtype == torch.float32:
+            p.normal_(0.0, std, generator=gen)
+        else:  # draw in fp32 and round once, as casting an fp32 model would
+            p.copy_(torch.empty(p.shape, device=p.device).normal_(0.0, std, generator=gen))
+
+    def reset_rope(self) -> None:
+        """(Re)compute the fp32 RoPE tables on the model's device."""
         self.rope_cos, self.rope_sin = rope_tables(
-            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=self.tok_embeddings.weight.device)
+            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta,
+            device=self.rope_cos.device)
 
     def new_kv_cache(self, batch_size: int, max_len: Optional[int] = None,
                      dtype: Optional[torch.dtype] = None) -> KVCache:

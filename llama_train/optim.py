@@ -35,7 +35,9 @@ def decays(name: str, p: torch.Tensor, cfg: OptimConfig) -> bool:
     Decisions use module names (the model's stable API), not tensor shapes, so a tied output
     matrix is treated as the embedding it is."""
     is_embedding = name.startswith("tok_embeddings.")
-    is_norm_or_bias = p.ndim < 2 or name.endswith(".bias") or "norm" in name.rsplit(".", 1)[0]
+    # ZeRO-3 leaves a partitioned parameter's own shape empty; ds_shape is the full one
+    ndim = len(getattr(p, "ds_shape", p.shape))
+    is_norm_or_bias = ndim < 2 or name.endswith(".bias") or "norm" in name.rsplit(".", 1)[0]
     exempt = (is_embedding and not cfg.decay_embeddings) or (
         is_norm_or_bias and not cfg.decay_norms_and_biases
     )

@@ -49,14 +49,22 @@ class Preflight:
     plan: BatchPlan
     prepared: Any  # data.Prepared
     experiment: Any = None  # scaling.ExperimentPlan, for experiment=... runs
+    lock: Any = None  # runlock.RunLock on rank 0: the output_dir is this job's until release()
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 def preflight(cfg: Config) -> Preflight:
-    """Validate the config and prepare the data. Any error here is raised before the process
-    group starts, naming the key and the fix."""
+    """Validate the config, claim the output dir and prepare the data. Any error here is raised
+    before the process group starts, naming the key and the fix. On rank 0 the returned
+    Preflight holds the output dir's lock: call its ``release()`` when the run ends."""
     from llama_train.data import check_compatible, prepare_data
     from llama_train.engine import detect_runtime
     from llama_train.faults import FaultPlan
+    from llama_train.runlock import RunLock, check_not_held_by_another_job
 
     rt = detect_runtime(cfg.trainer.device)
     _setup_logging(rt.rank)
@@ -64,10 +72,36 @@ def preflight(cfg: Config) -> Preflight:
     plan = validate(cfg, rt.world_size, rt.device_type)
     FaultPlan.from_env()  # a malformed LLAMA_TRAIN_FAULTS fails here, not mid-run
     _check_writable(cfg.trainer.output_dir)
+    _check_one_history(cfg)
     prepared = prepare_data(cfg.data, vocab_size=cfg.model.vocab_size)
     check_compatible(prepared.meta, cfg.model.vocab_size, cfg.trainer.seq_len)
     _check_prepared_tokenizer(prepared)
-    return Preflight(cfg, rt, cfg.model, plan, prepared, experiment)
+    # last: a refused config or data leaves no lock file behind (prepared data is found quickly)
+    if rt.rank == 0:
+        lock = RunLock(cfg.trainer.output_dir).acquire()
+    else:
+        lock = None
+        check_not_held_by_another_job(cfg.trainer.output_dir)
+    return Preflight(cfg, rt, cfg.model, plan, prepared, experiment, lock)
+
+
+def _check_one_history(cfg: Config) -> None:
+    """trainer.resume=never starts a new history: refuse a directory that holds one unless
+    trainer.on_existing says what to do with it (every rank decides the same, from the files)."""
+    from llama_train.checkpoint import existing_history
+
+    t = cfg.trainer
+    if t.resume != "never" or t.on_existing != "refuse":
+        return
+    found = existing_history(t.output_dir, cfg.tracking.metrics_file)
+    if found:
+        shown = ", ".join(found[-3:]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ConfigError(
+            f"trainer.resume=never but trainer.output_dir={t.output_dir!r} already holds a run "
+            f"({shown}): one output_dir holds one history. Continue it with trainer.resume=auto, "
+            f"start over with trainer.on_existing=archive (moves it to "
+            f"{Path(t.output_dir) / 'archive'}/<time>/) or trainer.on_existing=overwrite "
+            f"(deletes it), or use another trainer.output_dir. Nothing was changed.")
 
 
 def plan_experiment(cfg: Config, world_size: int):
@@ -129,7 +163,11 @@ def train(cfg: Config, hooks: Sequence[Hook] = ()) -> Dict[str, Any]:
     """The whole job in this process (one rank, or one of the launcher's)."""
     from llama_train.trainer import Trainer
 
-    return Trainer(preflight(cfg), hooks).fit()
+    pre = preflight(cfg)
+    try:
+        return Trainer(pre, hooks).fit()
+    finally:
+        pre.release()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -166,10 +204,11 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
     from llama_train.recovery import TrainingAborted
     from llama_train.trainer import Trainer
 
-    trainer = None
+    trainer = pre = None
     try:
         cfg = load_config(dcfg)
-        trainer = Trainer(preflight(cfg), hooks)
+        pre = preflight(cfg)
+        trainer = Trainer(pre, hooks)
         result = trainer.fit()
     except ValueError as e:  # ConfigError, DataError, ModelArgs checks: a message, not a trace
         _fail(EXIT_BAD_INPUT, e)
@@ -183,6 +222,9 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
             raise
         _exit_lost_rank(comm, trainer.cfg.comm.timeout_s if trainer else 60.0,
                         trainer.state.step + 1 if trainer else None)
+    finally:
+        if pre is not None:
+            pre.release()
     return result["val_loss"]
 
 

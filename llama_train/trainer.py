@@ -24,6 +24,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from llama_train import engine as eng
+from llama_train import watchdog
 from llama_train.checkpoint import (CheckpointManager, prepare_universal, read_state, rng_state,
                                     set_rng_state)
 from llama_train.config import ConfigError, to_container
@@ -31,7 +32,7 @@ from llama_train.data import DataError, Tokenizer, TrainLoader, val_batches
 from llama_train.data.tokenizer import file_sha256
 from llama_train.faults import FaultInjector
 from llama_train.hooks import Hook
-from llama_train.model import Transformer, count_params, flops_per_token
+from llama_train.model import count_params, flops_per_token
 from llama_train.optim import lr_at, param_groups
 from llama_train.recovery import Recovery
 from llama_train.tracking import Tracker
@@ -111,7 +112,11 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.ckpts = CheckpointManager(t.output_dir, t.keep_last, t.verify_checksums, rt.rank,
                                        rt.world_size, faults)
-        self.resume_from = self.ckpts.resolve_resume(t.resume)  # verified before unpickling
+        wandb_dir = () if cfg.tracking.wandb.dir else ("wandb",)  # the default <output_dir>/wandb
+        self.resume_from = self.ckpts.resolve_resume(  # verified before unpickling
+            t.resume, t.on_existing, cfg.tracking.metrics_file, wandb_dir)
+        self.run_config = to_container(OmegaConf.structured(cfg))
+        self.config_changes: Dict[str, List[Any]] = {}
         self.universal = self._check_resume_point()
         self.engine = self._build_engine()
         self.loader = TrainLoader(self.prepared.dir, seq_len=t.seq_len,
@@ -120,7 +125,6 @@ class Trainer:
                                   dp_world=rt.world_size, seed=cfg.data.seed,
                                   num_workers=cfg.data.num_workers,
                                   pin_memory=rt.device_type == "cuda")
-        self.run_config = to_container(OmegaConf.structured(cfg))
         self.tracker = Tracker(cfg.tracking, t.output_dir, rt.rank, self.run_config)
         self.state = TrainState()
         self.recovery = Recovery(cfg.recovery, self.state, self.tracker)
@@ -132,18 +136,16 @@ class Trainer:
         self._log_start(precision)
 
     def _check_resume_point(self) -> bool:
-        """The checkpoint must continue this run's data order with this tokenizer; True when it
-        must be loaded through DeepSpeed's universal format (another world size)."""
+        """The checkpoint must continue this run: the same run-defining config (or changes the
+        user allowed), global batch and tokenizer. True when it must be loaded through
+        DeepSpeed's universal format (another world size). Every rank reads the same files and
+        raises the same error, before anything is written."""
         if self.resume_from is None:
             return False
         saved = read_state(self.resume_from)
-        if saved["global_batch"] != self.plan.global_batch:
-            raise ConfigError(
-                f"checkpoint {self.resume_from} was trained with a global batch of "
-                f"{saved['global_batch']} sequences, this run has {self.plan.global_batch}: keep "
-                f"the global batch (trainer.global_batch) when resuming so the data order "
-                f"continues.")
-        _check_checkpoint_tokenizer(self.resume_from, self.prepared)
+        self.config_changes = _check_config_changes(
+            self.resume_from, saved, self.run_config, self.plan, self.prepared,
+            self.cfg.trainer.allow_config_change)
         if saved["world_size"] != self.rt.world_size and saved["zero_stage"] > 0:
             prepare_universal(self.resume_from, self.rt.rank)
             return True
@@ -151,15 +153,15 @@ class Trainer:
 
     def _build_engine(self) -> eng.Engine:
         t = self.cfg.trainer
-        model = Transformer(self.model_args)
-        model.init_weights()
+        ds_config = eng.build_ds_config(self.cfg.deepspeed, self.cfg.optim, self.plan,
+                                        self.rt.device_type, universal=self.universal,
+                                        model_dim=self.model_args.dim)
+        model = eng.build_model(self.model_args, ds_config, self.rt.device, t.seed)
         if t.init_from and self.resume_from is None:
-            load_initial_weights(model, self.model_args, t.init_from)
+            load_initial_weights(model, self.model_args, t.init_from, self.cfg.deepspeed.zero_stage)
         if t.compile:
             for block in model.layers:
                 block.compile()  # in place: parameter names stay those of the plain model
-        ds_config = eng.build_ds_config(self.cfg.deepspeed, self.cfg.optim, self.plan,
-                                        self.rt.device_type, universal=self.universal)
         return eng.initialize(model, param_groups(model, self.cfg.optim), ds_config)
 
     def _log_start(self, precision: str) -> None:
@@ -192,6 +194,7 @@ class Trainer:
             while s.step < t.max_steps:
                 for h in self.hooks:
                     h.on_step_begin(s.step + 1)
+                watchdog.note(step=s.step + 1, phase="train")  # named if this rank stops
                 out = self.train_step(stop)
                 if self.recovery.must_roll_back(out.verdict):
                     self.recovery.roll_back(out.verdict, out.window_end, self.last_good,
@@ -311,7 +314,7 @@ class Trainer:
         t, rt = self.cfg.trainer, self.rt
         self.engine.eval()
         total = torch.zeros(2, dtype=torch.float64)
-        with torch.no_grad():
+        with torch.no_grad(), watchdog.phase("eval"):
             for x, y in val_batches(self.prepared.dir, t.seq_len, t.micro_batch, t.eval_batches,
                                     rt.rank, rt.world_size):
                 _, loss = self.engine(x.to(rt.device), y.to(rt.device))
@@ -355,7 +358,8 @@ class Trainer:
         self.tracker.start(resume_step=self.state.step if ckpt is not None else None,
                            checkpoint=str(ckpt) if ckpt is not None else None)
         if ckpt is not None:
-            self.tracker.event(self.state.step, "resume", checkpoint=str(ckpt))
+            changed = {"config_changes": self.config_changes} if self.config_changes else {}
+            self.tracker.event(self.state.step, "resume", checkpoint=str(ckpt), **changed)
 
     def _restore(self, ckpt: Path) -> Dict[str, Any]:
         """Load ``ckpt`` into the engine, the train state, the data position and (same world
@@ -422,20 +426,52 @@ def _check_token_ids(x, y, vocab_size: int, prepared_dir: str, window_start: int
         )
 
 
-def _check_checkpoint_tokenizer(ckpt: Path, prepared) -> None:
-    """A checkpoint resumed on data encoded by another tokenizer would train on garbage."""
+def _check_config_changes(ckpt: Path, saved_state: Dict[str, Any], run_config: Dict[str, Any],
+                          plan, prepared, allowed: Sequence[str]) -> Dict[str, List[Any]]:
+    """Compare the checkpoint's config with this run's (llama_train.config.config_changes).
+    Run-defining changes not in ``allowed`` refuse the resume with all of them listed; a changed
+    global batch or tokenizer always does (the data order or the token ids would not continue).
+    Returns the changes that go ahead ({key: [old, new]}), logged here and in the resume event."""
+    from llama_train.config import config_changes
+
+    cfg_file = Path(ckpt) / "config.yaml"
+    saved_cfg = to_container(OmegaConf.load(cfg_file)) if cfg_file.is_file() else {}
+    defining, safe = config_changes(saved_cfg, run_config)
+    hard = []
+    if saved_state["global_batch"] != plan.global_batch:
+        hard.append(("global batch (sequences per step, as resolved)",
+                     saved_state["global_batch"], plan.global_batch))
     theirs = Path(ckpt) / "tokenizer.model"
     ours = prepared.meta["tokenizer"].get("sha256")
     if theirs.is_file() and ours and file_sha256(theirs) != ours:
-        raise DataError(
-            f"checkpoint {ckpt} was trained with a different tokenizer (sha256 "
-            f"{file_sha256(theirs)[:12]}) than the data in {prepared.dir} (sha256 {ours[:12]}): "
-            f"prepare the data with data.tokenizer={theirs}, or start a new trainer.output_dir."
-        )
+        hard.append(("tokenizer sha256 (of the data)", file_sha256(theirs)[:12], ours[:12]))
+    allowed = [a.strip() for a in allowed]
+    refused = [c for c in defining if not any(c[0] == a or c[0].startswith(a + ".")
+                                              for a in allowed)]
+    if refused or hard:
+        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in [*hard, *refused])
+        fix = []
+        if refused:
+            keys = ",".join(k for k, _, _ in refused)
+            fix.append(f"to change them on purpose add trainer.allow_config_change=[{keys}]")
+        if hard:
+            fix.append(f"a changed global batch or tokenizer cannot continue this run: keep "
+                       f"them (prepare the data with data.tokenizer={theirs})")
+        fix.append("or start a new trainer.output_dir (or trainer.resume=never with "
+                   "trainer.on_existing=archive)")
+        raise ConfigError(f"checkpoint {ckpt} was trained with another run-defining config: "
+                          f"{listed}. Nothing was changed. {'; '.join(fix)}.")
+    go = {k: [old, new] for k, old, new in [*safe, *defining]}
+    if go and dist.get_rank() == 0:
+        log.warning("resuming %s with changed settings: %s", ckpt,
+                    "; ".join(f"{k}: {v[0]!r} -> {v[1]!r}{'' if (k, *v) in safe else ' (allowed)'}"
+                              for k, v in go.items()))
+    return go
 
 
-def load_initial_weights(model, model_args, path: str) -> None:
-    """trainer.init_from: weights from a Hugging Face Llama directory or a llama-import file."""
+def load_initial_weights(model, model_args, path: str, zero_stage: int = 0) -> None:
+    """trainer.init_from: weights from a Hugging Face Llama directory or a llama-import file
+    (ZeRO-3: into the partitioned model, one gathered parameter at a time)."""
     from llama_train.hf import import_hf
     from llama_train.model import ModelArgs
 
@@ -451,24 +487,24 @@ def load_initial_weights(model, model_args, path: str) -> None:
                 f"trainer.init_from={path} has {name}={getattr(args, name)} but the model "
                 f"config has {getattr(model_args, name)}: pick the matching model preset."
             )
-    model.load_state_dict(sd, strict=True)
+    eng.load_full_state(model, sd, zero_stage)
     log.info("initialised weights from %s", path)
 
 
 def generate_sample(engine: eng.Engine, sample_cfg, seed: int, tokenizer_path: str, rt) -> str:
-    """Greedy-ish text from the trained model (ZeRO-3: every rank takes part in the gather)."""
+    """Text from the trained model. Rank 0 generates; under ZeRO-3 every rank runs the same
+    decoding (same seed, same logits, so the same number of steps), and DeepSpeed gathers one
+    layer at a time as it does in training, never the whole model."""
     tok = Tokenizer(tokenizer_path)
     model = engine.module
     model.eval()
     prompt = tok.encode(sample_cfg.prompt, bos=False, eos=False)
     gen = torch.Generator(device=rt.device).manual_seed(seed)
     text = ""
-    with engine.gathered_params():
-        if rt.is_main or engine.zero_stage == 3:
-            out = model.generate(torch.tensor([prompt], device=rt.device),
-                                 max_new_tokens=sample_cfg.tokens,
-                                 temperature=sample_cfg.temperature, top_k=sample_cfg.top_k,
-                                 eos_id=tok.eos_id, generator=gen)
-            text = tok.decode(out[0].tolist())
+    if rt.is_main or engine.zero_stage == 3:
+        out = model.generate(torch.tensor([prompt], device=rt.device),
+                             max_new_tokens=sample_cfg.tokens, temperature=sample_cfg.temperature,
+                             top_k=sample_cfg.top_k, eos_id=tok.eos_id, generator=gen)
+        text = tok.decode(out[0].tolist())
     model.train()
     return text

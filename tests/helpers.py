@@ -112,3 +112,68 @@ def wait_for(pred, timeout: float, interval: float = 0.2) -> bool:
             return True
         time.sleep(interval)
     return False
+
+
+def assert_losses_close(a: Dict[int, float], b: Dict[int, float], tol: float) -> None:
+    """Same steps, every loss within ``tol`` (absolute)."""
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    worst = max(abs(a[k] - b[k]) for k in a)
+    assert worst < tol, f"max |diff| {worst:.2e} >= {tol}: {a} vs {b}"
+
+
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "LLAMA_TRAIN_FAULTS")
+
+
+@contextmanager
+def world_of_one():
+    """This process as rank 0 of 1 (the in-process tier): the first Trainer starts the group,
+    later ones reuse it. Afterwards the group is destroyed, DeepSpeed's cached groups are
+    forgotten and the launcher variables restored, so another module can start its own."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    before = {k: os.environ.get(k) for k in LAUNCH_VARS}
+    threads = torch.get_num_threads()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.pop("LLAMA_TRAIN_FAULTS", None)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP",
+                     "_TENSOR_MODEL_PARALLEL_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP"):
+            if hasattr(groups, name):
+                setattr(groups, name, None)
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        torch.set_num_threads(threads)
+
+
+def cfg_for(out: Path, *overrides: str):
+    """The in-process tier's config: the tiny settings on one rank (micro-batch 4 keeps the
+    global batch of the launcher tests' 2 ranks x 2)."""
+    from hydra import compose, initialize_config_dir
+
+    from llama_train.config import load_config
+    from llama_train.paths import CONFIG_DIR
+
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        return load_config(compose("config", overrides=[*TINY, "trainer.micro_batch=4",
+                                                        f"trainer.output_dir={out}",
+                                                        *overrides]))
+
+
+def rows(out: Path) -> List[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_rows(out: Path) -> Dict[int, dict]:
+    return {r["step"]: r for r in rows(out) if "loss" in r}
+

@@ -59,6 +59,12 @@ def test_weight_decay_groups():
     assert groups[1]["weight_decay"] == 0.0
     groups = param_groups(m, OptimConfig(decay_embeddings=True, decay_norms_and_biases=True))
     assert len(groups) == 1
+    # ZeRO-3 partitions leave each parameter's own tensor empty; its full shape is ds_shape
+    for p in m.parameters():
+        p.ds_shape = p.shape
+        p.data = torch.empty(0)
+    partitioned = param_groups(m, OptimConfig())
+    assert {names[id(p)] for p in partitioned[0]["params"]} == decay
 
 
 # ---------------------------------------------------------------------------------------------

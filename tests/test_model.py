@@ -296,6 +296,30 @@ def test_meta_device_build_then_materialise():
     torch.testing.assert_close(ref.rope_cos, m.rope_cos)
 
 
+def test_init_depends_on_seed_and_name_only():
+    """What ZeRO-3 relies on: each parameter initialised alone (gathered from its partitions)
+    equals the same parameter of a whole-model build; bf16 gets the fp32 values rounded once."""
+    args = small_args()
+    whole = Transformer(args, device="meta")
+    whole.to_empty(device="cpu")
+    whole.init_weights(seed=7)
+    again = Transformer(args)
+    again.init_weights(seed=7)
+    one_by_one = Transformer(args)
+    for name, p in reversed(list(one_by_one.named_parameters())):
+        one_by_one.init_param(name, p, seed=7)
+    half = Transformer(args).to(torch.bfloat16)
+    half.init_weights(seed=7)
+    other = Transformer(args)
+    other.init_weights(seed=8)
+    for name, p in whole.named_parameters():
+        assert torch.equal(p, dict(again.named_parameters())[name]), name
+        assert torch.equal(p, dict(one_by_one.named_parameters())[name]), name
+        assert torch.equal(p.to(torch.bfloat16), dict(half.named_parameters())[name]), name
+        if not name.endswith("norm.weight"):
+            assert not torch.equal(p, dict(other.named_parameters())[name]), name
+
+
 def test_tied_embeddings_share_one_matrix():
     args = small_args(tie_embeddings=True)
     m = build(args)

@@ -556,3 +556,75 @@ def test_cli_errors_name_the_problem(capsys):
     assert "missing.yaml" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["compute-optimal", "--flops", "lots"])
+
+
+# ------------------------------------------------------------------------------------------
+# Per-rank peak (rank_peak_memory) and the --gpu-mem advice
+# ------------------------------------------------------------------------------------------
+
+def test_rank_peak_zero3_terms_follow_deepspeeds_buffers():
+    from llama_train.config import DeepSpeedConfig
+    from llama_train.scaling import rank_peak_memory
+
+    args = load_preset("small")
+    psi = count_params(args)["total"]
+    sizes = DeepSpeedConfig().zero_sizes(args.dim)  # unset buckets scale with the width
+    assert sizes["reduce_bucket_size"] == args.dim ** 2
+    for n in (1, 2, 8):
+        r = rank_peak_memory(args, zero_stage=3, world_size=n, seq_len=64, device="cpu")
+        b = r["phases"]
+        bucket = 2 * min(sizes["reduce_bucket_size"], psi)  # bf16 ipg bucket, touched pages only on CPU
+        persistent = r["breakdown"]["persistent params"]
+        # step: 16 B/param of partitioned states + the flat bf16 and fp32 copies of the gradient
+        # partition (_prepare_fp32_grad_for_sub_group) = 22 Psi/N, plus the ipg bucket
+        assert b["step"] == pytest.approx(22 * psi / n + bucket + persistent)
+        assert r["total"] == max(b.values()) and r["peak_phase"] in b
+    # on CUDA the whole bucket is allocated; offload moves optimizer states and params to the host
+    cu = rank_peak_memory(args, zero_stage=3, world_size=8, seq_len=64, offload_optimizer=True,
+                          offload_params=True)
+    assert cu["breakdown"]["ipg bucket"] == 2 * sizes["reduce_bucket_size"]
+    assert cu["host"] > 0 and cu["device"] == pytest.approx(cu["total"] - cu["host"])
+    # DeepSpeed's defaults (reuse distance and live parameters 1e9) keep the whole model gathered
+    # into backward; ours (0, dim^2) release each parameter after use
+    big = ModelArgs(dim=1024, n_layers=16, n_heads=16, vocab_size=32000, max_seq_len=64)  # 268M
+    keep = rank_peak_memory(big, 3, 8, seq_len=64, device="cpu",
+                            zero_overrides={"stage3_max_reuse_distance": 10**9,
+                                            "stage3_max_live_parameters": 10**9})
+    drop = rank_peak_memory(big, 3, 8, seq_len=64, device="cpu")
+    psi_big = count_params(big)["total"]
+    assert keep["breakdown"]["gathered params"] == 2 * psi_big  # 268M < 1e9 / 2
+    prefetch = DeepSpeedConfig().zero_sizes(big.dim)["stage3_prefetch_bucket_size"]
+    assert drop["breakdown"]["gathered params"] == 2 * (32000 * 1024 + prefetch)
+    with pytest.raises(ScalingError, match="offload_params"):
+        rank_peak_memory(args, zero_stage=2, offload_params=True)
+    with pytest.raises(ScalingError, match="unknown key"):
+        rank_peak_memory(args, zero_stage=3, zero_overrides={"nope": 1})
+
+
+def test_fit_advice_tries_the_cheapest_change_first():
+    from llama_train.scaling import fit_advice, rank_peak_memory
+
+    args = load_preset("llama2_7b")
+    cfg = dict(zero_stage=0, world_size=8, micro_batch=4, seq_len=4096)
+    z = {s: rank_peak_memory(args, **dict(cfg, zero_stage=s))["device"] for s in range(4)}
+    assert z[0] > z[1] > z[3]
+    fits = fit_advice(args, z[0] * 1.01, **cfg)
+    assert fits["fits"] and fits["suggestion"] is None
+    a = fit_advice(args, (z[0] + z[1]) / 2, **cfg)  # ZeRO-1 is the first change that fits
+    assert not a["fits"] and a["suggestion"]["change"] == "higher ZeRO stage (ZeRO-1)"
+    assert a["suggestion"]["predicted"] == pytest.approx(z[1])
+    tiny_limit = fit_advice(args, 1.0, **cfg)  # nothing fits one byte
+    assert tiny_limit["suggestion"] is None and tiny_limit["closest"]["settings"]["offload_params"]
+
+
+def test_cli_model_info_prints_the_peak_and_the_advice(capsys):
+    assert main(["model-info", "--model", "small", "--zero-stage", "0", "--world-size", "2",
+                 "--seq-len", "256", "--gpu-mem", "0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "per-rank PEAK (bf16, cuda ranks" in out and "DeepSpeed's estimator: none for ZeRO-0" in out
+    assert "does not fit" in out and "cheapest change that fits:" in out
+    assert main(["model-info", "--model", "small", "--zero-stage", "3", "--world-size", "8",
+                 "--seq-len", "256", "--gpu-mem", "80", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["fit"]["fits"] and res["rank_peak"]["zero_stage"] == 3
+    assert res["deepspeed_estimate"]["function"].endswith("estimate_zero3_model_states_mem_needs")

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, free_port, losses, metrics, run, spawn, tail, train, TINY
+from helpers import (REPO, TINY, assert_losses_close, free_port, losses, metrics, run, spawn,
+                     tail, train)
 
 TOL = 2e-4
 pytestmark = pytest.mark.slow
@@ -37,9 +38,7 @@ def baseline(runs):
 
 
 def _close(a, b, tol=TOL):
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    worst = max(abs(a[k] - b[k]) for k in a)
-    assert worst < tol, f"max |diff| {worst:.2e} >= {tol}: {a} vs {b}"
+    assert_losses_close(a, b, tol)
 
 
 def test_baseline_run_is_complete(baseline):
@@ -64,9 +63,12 @@ def test_baseline_run_is_complete(baseline):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_agree(stage, baseline, runs):
+    """Same trajectory at every stage; step 1 (before any update) shows that every stage starts
+    from the same weights, ZeRO-3's built partitioned: equal up to the order of the loss sum."""
     out = runs / f"zero{stage}"
     train(out, [f"deepspeed.zero_stage={stage}"])
     _close(losses(out), losses(baseline))
+    assert abs(losses(out)[1] - losses(baseline)[1]) < 1e-6
 
 
 def test_grad_accumulation_matches_micro_batch(baseline, runs):
@@ -118,14 +120,12 @@ MATRIX = [
     (["deepspeed.zero_stage=3", "model.activation_checkpointing=true", "trainer.micro_batch=1",
       "trainer.global_batch=4"], TOL),
     (["deepspeed.zero_stage=1", "deepspeed.precision=bf16"], 2e-2),
-    (["deepspeed.zero_stage=3", "deepspeed.offload_optimizer=true",
-      "deepspeed.offload_params=true"], TOL),
 ]
+# ZeRO-3 with parameter and optimizer offload: tests/test_zero3.py.
 
 
-@pytest.mark.parametrize("overrides,tol", MATRIX, ids=["zero3-actckpt-accum2", "zero1-bf16",
-                                                      "zero3-offload"])
+@pytest.mark.parametrize("overrides,tol", MATRIX, ids=["zero3-actckpt-accum2", "zero1-bf16"])
 def test_integration_matrix(overrides, tol, baseline, runs):
     out = runs / ("matrix-" + "-".join(o.split("=")[1] for o in overrides))
-    train(out, overrides, timeout=600)  # the first CPU-Adam use JIT-builds DeepSpeed's op
+    train(out, overrides)
     _close(losses(out), losses(baseline), tol)

@@ -1,33 +1,63 @@
-"""One rank of ``llama-bench memory``: train a few steps under a ZeRO stage, then count bytes.
+"""One rank of ``llama-bench memory``: build, train a few steps, record this rank's peak memory.
 
-Run by the deepspeed launcher (``--module llama_train.bench._memory_worker``). The model and the
-engine are built exactly as ``llama-train`` builds them (``Transformer`` + ``engine.build_ds_config``
-+ ``engine.initialize``). After one full step (so AdamW has allocated its state) and the forward and
-backward of a second (so gradients exist as well), every tensor storage reachable from the model's
-parameters and from the engine's optimizer is counted once (by storage, so views into DeepSpeed's
-flat buffers are not counted twice) and sorted into params / grads / fp32 master / Adam moments /
-buckets / other by where it was found. Peak RSS comes from ``getrusage`` (the whole process).
+Run by the deepspeed launcher (``--module llama_train.bench._memory_worker``). The model is built
+the way ``llama-train`` builds it: ``engine.build_model`` (ZeRO-3: inside ``deepspeed.zero.Init``
+from the meta device; ZeRO-0/1/2: meta device, ``to_empty``, ``init_weights``), then
+``engine.build_ds_config`` + ``engine.initialize``.
+
+Peak memory, per phase (build, initialize, each step):
+
+* CPU: the kernel's high-water mark of this process's resident set, ``VmHWM`` in
+  ``/proc/self/status``. The **idle baseline** is ``VmRSS`` after the imports and the process
+  group's start (``init_distributed`` and a barrier), before anything of the model exists; the
+  high-water mark is reset to it there (``echo 5 > /proc/self/clear_refs``) and again at the start
+  of each phase, so each phase's peak is its own. Peak above idle = max over phases of VmHWM - the
+  idle VmRSS. Pages of DeepSpeed's shared-memory all-reduce buffer count once they are touched.
+* CUDA: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` (reset per phase), idle =
+  ``memory_allocated`` / ``memory_reserved`` at the same point.
+
+After the first step (so AdamW has allocated its state), the forward and backward of the second
+are also counted tensor by tensor (each storage once) into params / grads / fp32 master / Adam
+moments / buckets / other, by where the storage was found.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import resource
+import os
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 CATEGORIES = ("params", "grads", "fp32_master", "adam_moments", "buckets", "other")
 
 
-def _rss() -> int:
-    import psutil
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        m = re.search(rf"^{field}:\s+(\d+) kB", fh.read(), re.M)
+    return int(m.group(1)) if m else 0
 
-    return psutil.Process().memory_info().rss
+
+def rss() -> int:
+    """Resident set now, bytes."""
+    return _status_kib("VmRSS") * 1024
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+def hwm() -> int:
+    """Resident-set high-water mark since the last :func:`reset_hwm`, bytes."""
+    return _status_kib("VmHWM") * 1024
+
+
+def reset_hwm() -> bool:
+    """Reset VmHWM to the current VmRSS (Linux >= 4.0). False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def classify(path: str) -> str:
@@ -135,32 +165,99 @@ def count_engine_bytes(engine) -> Dict[str, Any]:
 
 def _parse(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="llama_train.bench._memory_worker")
-    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--model-json", required=True, help="ModelArgs fields as JSON")
     ap.add_argument("--stage", type=int, required=True)
-    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--offload", action="store_true", help="ZeRO-3 offload_params + offload_optimizer")
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--ds-zero", default="{}", help="JSON: keys set in zero_optimization "
+                    "after engine.build_ds_config (experiments with DeepSpeed's knobs)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None)
     return ap.parse_args(argv)
 
 
-def _build(args: argparse.Namespace, rt, margs):
-    """(engine, DeepSpeed config) as llama-train builds them, for this stage in fp32."""
+class PeakMeter:
+    """Per-phase peaks above the idle baseline (see the module docstring)."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.torch = torch
+        gc.collect()
+        self.idle = {"rss": rss(), "hwm_since_start": hwm()}
+        if self.cuda:
+            self.idle.update(allocated=torch.cuda.memory_allocated(),
+                             reserved=torch.cuda.memory_reserved())
+        self.phases: Dict[str, Dict[str, int]] = {}
+        self.hwm_reset = True
+
+    def start(self) -> None:
+        self.hwm_reset = reset_hwm() and self.hwm_reset
+        if self.cuda:
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def stop(self, phase: str) -> None:
+        row = {"hwm": hwm(), "rss_after": rss()}
+        row["peak_above_idle"] = row["hwm"] - self.idle["rss"]
+        if self.cuda:
+            c = self.torch.cuda
+            row.update(max_allocated=c.max_memory_allocated(), max_reserved=c.max_memory_reserved(),
+                       max_allocated_above_idle=c.max_memory_allocated() - self.idle["allocated"],
+                       max_reserved_above_idle=c.max_memory_reserved() - self.idle["reserved"])
+        self.phases[phase] = row
+
+    def report(self) -> Dict[str, Any]:
+        key = "max_allocated_above_idle" if self.cuda else "peak_above_idle"
+        worst = max(self.phases, key=lambda k: self.phases[k][key])
+        return {"idle": self.idle, "phases": self.phases, "peak_above_idle":
+                self.phases[worst][key], "peak_phase": worst, "hwm_reset": self.hwm_reset,
+                "measure": ("torch.cuda.max_memory_allocated" if self.cuda else
+                            "VmHWM - idle VmRSS")}
+
+
+def _warm_up(offload: bool) -> None:
+    """Load the code every rank runs, before the idle baseline is read: DeepSpeed's ZeRO and
+    mixed-precision optimizer modules (and Muon, which ZeRO imports in initialize), torch._dynamo (torch imports it lazily on the first
+    nn.init or fused-AdamW call; inside ``deepspeed.zero.Init``, which patches tensor
+    constructors, that import fails with "Signature mismatch ... new_tensor", which bites with
+    offload where nothing imported it before), DeepSpeed's CPU Adam extension with offload, and
+    one AdamW step of a throwaway 2-layer model in plain torch (torch's CPU kernels and thread
+    pools). None of it depends on the model under test."""
+    import importlib
+
     import torch
+    import torch._dynamo  # noqa: F401
 
-    from llama_train import engine as eng
-    from llama_train.config import DeepSpeedConfig, OptimConfig, TrainerConfig, resolve_batch
-    from llama_train.model import Transformer
-    from llama_train.optim import param_groups
+    for mod in ("deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.stage_1_and_2",
+                "deepspeed.runtime.bf16_optimizer", "deepspeed.runtime.fp16.unfused_optimizer",
+                "deepspeed.runtime.fp16.fused_optimizer", "deepspeed.runtime.zero.partition_parameters",
+                # imported (and its kernels compiled) by is_zero_supported_optimizer: ~43 MiB
+                "deepspeed.runtime.zero.muon.muon_optimizer"):
+        importlib.import_module(mod)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    optim = OptimConfig()
-    plan = resolve_batch(TrainerConfig(seq_len=args.seq_len, micro_batch=args.micro_batch),
-                         rt.world_size)
-    ds_config = eng.build_ds_config(DeepSpeedConfig(zero_stage=args.stage, precision="fp32"),
-                                    optim, plan, rt.device_type)
-    torch.manual_seed(0)
-    model = Transformer(margs)  # as llama-train builds it
-    return eng.initialize(model, param_groups(model, optim), ds_config), ds_config
+        p = torch.nn.Parameter(torch.zeros(8))
+        p.grad = torch.zeros(8)
+        DeepSpeedCPUAdam([p]).step()
+
+    from llama_train.model import ModelArgs, Transformer
+
+    net = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=16))
+    opt = torch.optim.AdamW(net.parameters())
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            x = torch.randint(0, 256, (1, 16))
+            _, loss = net(x, x)
+        loss.backward()
+        opt.step()
+    del net, opt
+    gc.collect()
 
 
 def _count_backward(engine, x, y) -> Dict[str, Any]:
@@ -195,40 +292,65 @@ def main(argv=None) -> None:
 
     from llama_train import engine as eng
     from llama_train.comm import CommConfig
-    from llama_train.model import count_params, load_preset
+    from llama_train.config import DeepSpeedConfig, OptimConfig, TrainerConfig, resolve_batch
+    from llama_train.model import ModelArgs, count_params
+    from llama_train.optim import param_groups
     from llama_train.proc import exit_skipping_teardown
 
     rt = eng.detect_runtime("cpu")
     eng.init_distributed(CommConfig(), rt.device_type)
-    rss_base = _rss()
-    margs = load_preset(args.preset)
-    engine, ds_config = _build(args, rt, margs)
-    rss_init = _rss()
+    margs = ModelArgs(**json.loads(args.model_json))
+    optim = OptimConfig()
+    plan = resolve_batch(TrainerConfig(seq_len=args.seq_len, micro_batch=args.micro_batch),
+                         rt.world_size)
+    ds_cfg = DeepSpeedConfig(zero_stage=args.stage, precision=args.precision,
+                             offload_params=args.offload, offload_optimizer=args.offload)
+    ds_config = eng.build_ds_config(ds_cfg, optim, plan, rt.device_type, model_dim=margs.dim)
+    ds_config["zero_optimization"].update(json.loads(args.ds_zero))
+    _warm_up(args.offload)
+    dist.barrier()
+    meter = PeakMeter(rt.device)  # idle baseline: imports, process group, warm-up; no model yet
+
+    meter.start()
+    model = eng.build_model(margs, ds_config, rt.device, seed=0)  # the trainer's path
+    meter.stop("build")
+    meter.start()
+    engine = eng.initialize(model, param_groups(model, optim), ds_config)
+    del model
+    meter.stop("initialize")
+
     g = torch.Generator().manual_seed(rt.rank)
     x = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), generator=g)
     y = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), generator=g)
-
-    _, loss = engine(x, y)
-    engine.backward(loss)
-    engine.step()  # AdamW state exists from here on
-    counted = _count_backward(engine, x, y)  # the second step, counted
-    opt_bytes = engine.opt_state_bytes()
-    engine.step()
+    counted: Dict[str, Any] = {}
+    for step in range(1, args.steps + 1):
+        meter.start()
+        if step == 2:
+            counted = _count_backward(engine, x, y)  # the second step's backward, counted
+        else:
+            _, loss = engine(x, y)
+            engine.backward(loss)
+        engine.step()  # AdamW state exists from the first step on
+        meter.stop(f"step{step}")
     persistent = [p for p in engine.ds.module.parameters() if getattr(p, "ds_persist", False)]
     result = {
-        "rank": rt.rank, "world_size": rt.world_size, "stage": args.stage, "preset": args.preset,
+        "rank": rt.rank, "world_size": rt.world_size, "stage": args.stage,
+        "offload": args.offload, "precision": args.precision,
         "n_params": count_params(margs)["total"],
+        **meter.report(),
         **counted,
-        "opt_state_bytes_engine_helper": opt_bytes,
+        "opt_state_bytes_engine_helper": engine.opt_state_bytes(),
         "zero3_persistent_params": {"count": len(persistent),
                                     "numel": sum(p.ds_numel for p in persistent)},
         "ds_config_zero": ds_config["zero_optimization"],
-        "rss_baseline": rss_base, "rss_after_init": rss_init, "rss_end": _rss(),
-        "rss_peak": _peak_rss(),
+        "optimizer_class": type(engine.ds.optimizer).__name__,
+        "rss_end": rss(),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rt.rank}.json").write_text(json.dumps(result, indent=1))
+    tmp = out / f".rank{rt.rank}.json"
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, out / f"rank{rt.rank}.json")
     dist.barrier()
     dist.destroy_process_group()
     exit_skipping_teardown(0)

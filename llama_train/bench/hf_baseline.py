@@ -24,9 +24,7 @@ def build_hf_model(model_args, seed: int):
     from llama_train.hf import to_hf_config, to_hf_state_dict
     from llama_train.model import Transformer
 
-    torch.manual_seed(seed)  # what llama-train does before building the model
-    ours = Transformer(model_args)
-    ours.init_weights()
+    ours = Transformer(model_args, seed=seed)  # as llama-train builds it (engine.build_model)
     cfg = transformers.LlamaConfig(**to_hf_config(model_args))
     model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa",
                                                        dtype=torch.float32)

@@ -15,18 +15,14 @@ from llama_train.bench.settings import (compose_config, resolve_device, resolve_
 
 def _ours_step(cfg, rt, x, y) -> Callable[[], None]:
     """One optimizer step of the DeepSpeed engine llama-train builds (one rank)."""
-    import torch
-
     from llama_train import engine as eng
     from llama_train.config import resolve_batch
-    from llama_train.model import Transformer
     from llama_train.optim import param_groups
 
     eng.init_distributed(cfg.comm, rt.device_type)
-    torch.manual_seed(cfg.trainer.seed)
-    model = Transformer(cfg.model)
     ds_config = eng.build_ds_config(cfg.deepspeed, cfg.optim, resolve_batch(cfg.trainer, 1),
-                                    rt.device_type)
+                                    rt.device_type, model_dim=cfg.model.dim)
+    model = eng.build_model(cfg.model, ds_config, rt.device, cfg.trainer.seed)
     engine = eng.initialize(model, param_groups(model, cfg.optim), ds_config)
 
     def step() -> None:

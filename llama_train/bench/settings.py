@@ -38,6 +38,7 @@ def train_overrides(args: argparse.Namespace, device: str, precision: str) -> Li
         "trainer.eval_batches=1",
         "sample.tokens=0",
         "trainer.resume=never",
+        "trainer.on_existing=overwrite",  # a benchmark's run dir is scratch: rerun in place
         f"trainer.device={device}",
         f"trainer.compile={'true' if args.compile else 'false'}",
         f"deepspeed=zero{args.zero_stage}",

@@ -118,4 +118,10 @@ def apply_env(cfg: CommConfig, device_type: str) -> str:
             os.environ["NCCL_SOCKET_IFNAME"] = str(cfg.nccl_socket_ifname)
         if cfg.nccl_ib_disable is not None:
             os.environ["NCCL_IB_DISABLE"] = "1" if cfg.nccl_ib_disable else "0"
+        # A collective that outlives the process-group timeout (comm.timeout_s): torch's NCCL
+        # watchdog aborts the communicators and tears the process down instead of leaving the
+        # rank stuck (1 = abort, then tear down; torch's default 3 tears down without the
+        # abort). An explicit setting in the environment wins. Blocking wait is left off: it
+        # would make every wait() hold the host until the collective ends.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     return backend

@@ -12,7 +12,8 @@ from typing import Any, Dict, Optional, Sequence
 from llama_train.plot import plot_isoflops
 from llama_train.scaling.fit import collect_runs, fit_loss_law, group_budgets
 from llama_train.scaling.laws import FITS, ScalingError
-from llama_train.scaling.memory import _args_dict, model_info
+from llama_train.scaling.memory import FIT_ORDER
+from llama_train.scaling.memory import _args_dict, deepspeed_estimate, fit_advice, model_info, rank_peak_memory
 from llama_train.scaling.planners import compute_optimal, inference_optimal, shape_for_params
 from llama_train.util import jsonable
 
@@ -141,7 +142,68 @@ def _cmd_model_info(ns: argparse.Namespace) -> Dict[str, Any]:
                      ["", "bf16", "fp32"]))
         print(f"per GPU (model states + activations): bf16 {_gib(res['per_gpu_total']['bf16'])}, "
               f"fp32 {_gib(res['per_gpu_total']['fp32'])}")
+    _peak_and_advice(ns, res)
     return res
+
+
+def _ds_zero(items: Sequence[str]) -> Dict[str, int]:
+    try:
+        return {k: int(float(v)) for k, v in (kv.split("=", 1) for kv in items)}
+    except ValueError:
+        raise ScalingError(f"--ds-zero {list(items)}: use KEY=NUMBER, e.g. stage3_max_reuse_distance=0") from None
+
+
+def _describe(c: Dict[str, Any]) -> str:
+    bits = [f"ZeRO-{c['zero_stage']}", f"micro-batch {c['micro_batch']}"]
+    if c.get("activation_checkpointing"):
+        bits.append("activation checkpointing")
+    if c.get("offload_optimizer"):
+        bits.append("optimizer offload")
+    if c.get("offload_params"):
+        bits.append("param offload")
+    return ", ".join(bits)
+
+
+def _peak_and_advice(ns: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """The per-rank peak (rank_peak_memory), DeepSpeed's estimator beside it, and --gpu-mem advice."""
+    cfg = dict(zero_stage=ns.zero_stage, world_size=ns.world_size, dtype=ns.dtype, micro_batch=ns.micro_batch,
+               seq_len=ns.seq_len, offload_optimizer=ns.offload_optimizer, offload_params=ns.offload_params,
+               activation_checkpointing=True if ns.activation_checkpointing else None, device=ns.device,
+               attention=ns.attention, zero_overrides=_ds_zero(ns.ds_zero) or None)
+    peak = rank_peak_memory(ns.model, **cfg)
+    est = deepspeed_estimate(ns.model, ns.zero_stage, ns.world_size, ns.offload_optimizer, ns.offload_params)
+    res["rank_peak"] = peak
+    res["deepspeed_estimate"] = est
+    if ns.gpu_mem is not None:
+        res["fit"] = fit_advice(ns.model, ns.gpu_mem * 2**30, **cfg)
+    if ns.json:
+        return
+    print(f"\nper-rank PEAK ({ns.dtype}, {ns.device} ranks, {_describe(cfg)}, {ns.world_size} rank(s)): "
+          f"{_gib(peak['total'])} = {peak['bytes_per_param']:.2f} B/param, in phase '{peak['peak_phase']}'"
+          + (f" (device {_gib(peak['device'])}, host {_gib(peak['host'])})" if peak["host"] else ""))
+    print(_table([[k, _gib(v)] for k, v in peak["breakdown"].items() if v], ["peak-phase term", "bytes"]))
+    print("phases: " + ", ".join(f"{k} {_gib(v)}" for k, v in peak["phases"].items()))
+    if est["gpu"] is not None:
+        print(f"DeepSpeed's estimator ({est['function'].rsplit('.', 1)[-1]}, buffer factor 1.5 on CPU): "
+              f"{_gib(est['gpu'])} per GPU + {_gib(est['cpu'])} CPU per node; model states only, no "
+              f"activations, buckets or the step's transients")
+    else:
+        print("DeepSpeed's estimator: none for ZeRO-0")
+    fit = res.get("fit")
+    if fit:
+        where = "RAM per rank" if ns.device == "cpu" else "GPU memory"
+        if fit["fits"]:
+            print(f"fits: {_gib(fit['predicted'])} <= {ns.gpu_mem:g} GiB {where}")
+        else:
+            print(f"does not fit: {_gib(fit['predicted'])} > {ns.gpu_mem:g} GiB {where}")
+            sug = fit["suggestion"]
+            if sug:
+                print(f"cheapest change that fits: {sug['change']} -> {_describe(sug['settings'])}: "
+                      f"predicted peak {_gib(sug['predicted'])}")
+            else:
+                c = fit["closest"]
+                print(f"no change in order ({', '.join(FIT_ORDER)}) fits; all of them: {_describe(c['settings'])}: "
+                      f"{_gib(c['predicted'])}")
 
 
 def _cmd_shape(ns: argparse.Namespace) -> Dict[str, Any]:
@@ -247,6 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer state in host memory")
     p.add_argument("--activation-checkpointing", action="store_true", help="force per-block recomputation on")
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--offload-params", action="store_true", help="ZeRO-3 parameter offload (with --offload-optimizer)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="for the per-rank peak")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: count what a CPU rank's resident set shows (llama-bench memory)")
+    p.add_argument("--gpu-mem", type=float, default=None, metavar="GIB",
+                   help="memory per rank: say whether the config fits and, if not, the cheapest change that does")
+    p.add_argument("--ds-zero", action="append", default=[], metavar="KEY=N",
+                   help="a DeepSpeed zero_optimization knob, e.g. stage3_max_reuse_distance=0 (repeatable)")
     common(p, fit=False)
     p.set_defaults(func=_cmd_model_info)
 

@@ -227,3 +227,310 @@ def _args_dict(args: "ModelArgs") -> Dict[str, Any]:
     d["head_dim"] = args.head_dim
     d["ffn_hidden_dim"] = args.ffn_hidden_dim
     return d
+
+
+
+RANK_PEAK_MECHANISMS = """\
+Per-rank peak = the largest of the phases below; Psi params, N ranks, p bytes/element of the model
+dtype, g of DeepSpeed's gradient buffers (= p), B = reduce_bucket_size elements, A activations
+(activation_memory). On CPU ranks only touched pages count: a bucket holds min(B, Psi) elements.
+build      ZeRO-0/1/2: engine.build_model materialises the whole model in fp32 on every rank (4 Psi).
+           ZeRO-3: the bf16 partition (p Psi/N) + one parameter gathered whole to initialise it.
+ZeRO-0     (bf16: DeepSpeed's FP16_UnfusedOptimizer; fp32: torch AdamW) model p Psi, grads p Psi,
+           fp32 master 4 Psi and its fp32 grads 4 Psi (bf16 only), Adam moments 8 Psi, all whole:
+           20 Psi (bf16), 16 Psi (fp32); N > 1 adds the flat all-reduce copy of the grads.
+ZeRO-1/2   (stage_1_and_2.py) the bf16 model as one flat buffer (p Psi, whole), fp32 master
+           partition 4 Psi/N, moments 8 Psi/N, gradient partition g Psi/N; in backward the
+           contiguous ipg bucket g min(B, Psi); ZeRO-1 has no backward hooks, so every full
+           grad (g Psi) exists before reduce_gradients reduces them; in step() the flat bf16 copy of the gradient
+           partition and its fp32 conversion (g + 4) Psi/N (stage_1_and_2.py, step ->
+           flatten_dense_tensors_aligned / .to(fp32)); then the updated partitions are all-gathered
+           into the flat model, which gloo does through a full-size copy (p Psi, CPU ranks only).
+ZeRO-3     (stage3.py) bf16 partition p Psi/N, flat bf16 gradient partitions g Psi/N
+           (grad_partitions_flat_buffer), fp32 master 4 Psi/N, moments 8 Psi/N, ipg bucket
+           g min(B, Psi) (_setup_for_real_optimizer). step(): _prepare_fp32_grad_for_sub_group
+           flattens the gradient partition (g Psi/N) and converts it to fp32 (4 Psi/N) while the
+           moments exist: +(g + 4) min(Psi/N, sub_group_size). From the second step on the
+           parameter coordinator has a trace and, with stage3_max_reuse_distance and
+           stage3_max_live_parameters (DeepSpeed defaults 1e9 elements) above Psi, keeps every
+           parameter gathered from its forward use to its backward use: the whole model,
+           p min(Psi, max_live), is resident at the start of backward, beside the activations
+           (in general the last max_reuse_distance/2 elements of the forward, at least the
+           largest param, plus the prefetch bucket);
+           each full bucket is reduce-scattered through a concatenated copy (g min(B, Psi)) and,
+           on gloo, a clone plus ring buffers ((1 + 1/N) g min(B, Psi); a param larger than the
+           bucket is reduced alone, so at least its size): with B < Psi the first
+           bucket goes early in backward, beside all of that; with B >= Psi once, at the end,
+           when the activations and gathered params are gone. Small parameters
+           (<= stage3_param_persistence_threshold elements) stay whole on every rank.
+ZeRO-3     + offload_optimizer + offload_params: the same host-side tensors, plus the fp32
+           gradient partition kept for the CPU Adam (4 Psi/N) instead of the step's transient;
+           on a CPU rank host and device are one pool, so offload saves nothing there.
+"""
+
+
+def rank_peak_memory(
+    args: Union["ModelArgs", str, Path],
+    zero_stage: int = 0,
+    world_size: int = 1,
+    dtype: str = "bf16",
+    micro_batch: int = 1,
+    seq_len: Optional[int] = None,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    activation_checkpointing: Optional[bool] = None,
+    device: str = "cuda",
+    ds: Optional[Any] = None,
+    attention: str = "sdpa",
+    zero_overrides: Optional[Dict[str, int]] = None,
+) -> Dict[str, Any]:
+    """Peak bytes one data-parallel rank holds while it builds the model, initialises DeepSpeed
+    and trains (model states + activations + DeepSpeed's own buffers and transients), from the
+    mechanisms of DeepSpeed 0.19.8 listed in :data:`RANK_PEAK_MECHANISMS` (checked against
+    ``llama-bench memory``, docs/benchmarks-memory.md).
+
+    ``ds`` is our :class:`llama_train.config.DeepSpeedConfig` (bucket sizes, persistence
+    threshold; default: its defaults); ``zero_overrides`` sets DeepSpeed zero_optimization keys our
+    config leaves at DeepSpeed's defaults (sub_group_size, stage3_max_live_parameters,
+    stage3_max_reuse_distance) or overrides ours (reduce_bucket_size, stage3_prefetch_bucket_size,
+    stage3_param_persistence_threshold). ``device="cpu"`` counts what a CPU rank's resident set
+    shows (untouched bucket pages are not resident; gloo's reduce-scatter copies); ``"cuda"``
+    counts allocations (whole buckets). Returns bytes: ``total`` (the peak; on CPU host and device
+    together), ``device`` and ``host`` at the peak, ``peak_phase``, ``phases`` {name: bytes},
+    ``breakdown`` {term: bytes} of the peak phase, ``unpartitioned`` (the terms of the peak that do
+    not shrink with N), plus n_params and the settings."""
+    from llama_train.config import DeepSpeedConfig
+    from llama_train.model import Transformer, count_params
+
+    args = _resolve_args(args)
+    p = _check_dtype(dtype)
+    _check_zero(zero_stage, world_size, offload_optimizer)
+    if offload_params and zero_stage != 3:
+        raise ScalingError("offload_params needs ZeRO stage 3 (parameter offload exists only there)")
+    if device not in ("cpu", "cuda"):
+        raise ScalingError(f"device={device!r}: 'cpu' or 'cuda'")
+    ds = ds if ds is not None else DeepSpeedConfig()
+    sizes = ds.zero_sizes(args.dim)  # what engine.build_ds_config gives DeepSpeed
+    for key, value in (zero_overrides or {}).items():
+        key = key if key in sizes else "stage3_" + key
+        if key not in sizes:
+            raise ScalingError(f"zero_overrides: unknown key {key!r}; known: {sorted(sizes)}")
+        sizes[key] = int(value)
+    z = {"sub_group_size": sizes["sub_group_size"],
+         "max_live_parameters": sizes["stage3_max_live_parameters"],
+         "max_reuse_distance": sizes["stage3_max_reuse_distance"]}
+    psi = count_params(args)["total"]
+    n = world_size
+    g = p  # DeepSpeed's gradient buffers follow the model dtype (grad_accum_dtype unset)
+    cpu = device == "cpu"
+    acts = activation_memory(args, micro_batch, seq_len, dtype, activation_checkpointing, attention)["total"]
+    bucket = min(sizes["reduce_bucket_size"], psi) if cpu else sizes["reduce_bucket_size"]
+    import torch
+
+    with torch.device("meta"):
+        shapes = [prm.numel() for prm in Transformer(args).parameters()]
+    largest = max(shapes)
+    persistent = sum(k for k in shapes if k <= sizes["stage3_param_persistence_threshold"])
+    part = psi / n
+    phases: Dict[str, Dict[str, float]] = {}
+    if zero_stage == 0:
+        # bf16/fp16: FP16_UnfusedOptimizer builds an fp32 master copy with fp32 grads and runs
+        # its first step in initialize (moments exist from there), beside the model and its grads
+        master = 8.0 * psi if p < 4 else 0.0
+        phases["build"] = {"fp32 model": 4.0 * psi}
+        phases["initialize"] = {"model": p * psi, "grads": g * psi, "fp32 master + grads": master,
+                                "moments": 8.0 * psi}
+        # backward writes the grads as it frees the activations: the larger of the two
+        phases["backward"] = {"model": p * psi, "fp32 master + grads": master, "moments": 8.0 * psi,
+                              "grads or activations": max(g * psi, acts)}
+        unpart = set(phases["backward"]) | set(phases["initialize"])
+    elif zero_stage in (1, 2):
+        states = {"model (flat)": p * psi, "fp32 master": 4.0 * part, "moments": 8.0 * part}
+        phases["build"] = {"fp32 model": 4.0 * psi}
+        # flatten_dense_tensors_aligned copies the whole bf16 model (both alive), then the fp32
+        # master partition and initialize_optimizer_states' zero fp32 grad partition
+        init = {"model": p * psi, "flat copy": p * psi}
+        init2 = {"model (flat)": p * psi, "fp32 master": 4.0 * part, "fp32 grad partition": 4.0 * part}
+        phases["initialize"] = max(init, init2, key=lambda d: sum(d.values()))
+        ipg = g * bucket
+        phases["forward"] = {**states, "activations": acts}
+        if zero_stage == 1:
+            # no backward hooks: autograd leaves every full grad in param.grad (g Psi); then
+            # reduce_gradients (stage_1_and_2.py) reduces them bucket by bucket into the partition
+            phases["backward"] = {**states, "full grads": g * psi, "grad partition": g * part,
+                                  "ipg bucket": ipg}
+        else:  # stage 2: each grad is reduced as soon as its bucket fills, then freed
+            phases["backward"] = {**states, "grad partition": g * part, "ipg bucket": ipg,
+                                  "reduce copy": g * bucket if n > 1 else 0.0, "activations": acts}
+        if offload_optimizer:
+            phases["step"] = {**states, "grad partition": g * part, "fp32 grads": 4.0 * part}
+        else:
+            phases["step"] = {**states, "grad partition": g * part,
+                              "step: flat + fp32 grads": (g + 4.0) * part}
+        if n > 1 and cpu:
+            # after the step each rank's updated bf16 partition is gathered into the flat model
+            # (runtime/utils.py all_gather_into_tensor_dp_groups); gloo gathers into a new flat
+            # tensor of the output's size and copies it back: a second p Psi for a moment
+            phases["all-gather"] = {**states, "all-gather copy (gloo)": p * psi}
+        unpart = {"model (flat)", "model", "flat copy", "fp32 model", "ipg bucket", "reduce copy",
+                  "activations", "full grads", "all-gather copy (gloo)"}
+    else:
+        states = {"param partition": p * part, "grad partitions": g * part, "fp32 master": 4.0 * part,
+                  "moments": 8.0 * part, "persistent params": p * persistent}
+        if offload_optimizer:
+            states["fp32 grads (offload)"] = 4.0 * part
+        ipg = g * bucket
+        phases["build"] = {"param partition": p * part, "gathered param": p * largest}
+        phases["initialize"] = {"param partition": p * part, "fp32 master": 4.0 * part,
+                                "fp32 grad buffer": 4.0 * part, "grad partitions": g * part}
+        # a param used at forward position x (elements) is used again in backward after about
+        # 2 (Psi - x) elements: the last max_reuse_distance / 2 elements of the forward stay
+        # gathered (capped by max_live_parameters), plus the module in use (at least the largest
+        # param) and the prefetch bucket; never more than the whole model
+        kept = min(z["max_reuse_distance"] // 2, z["max_live_parameters"])
+        live = min(psi, max(kept, largest) + sizes["stage3_prefetch_bucket_size"])
+        # a parameter larger than the bucket is reduced on its own: the copies hold at least it
+        reduced = max(bucket, largest) if bucket < psi else bucket
+        rs = (g * reduced * ((2.0 + 1.0 / n) if cpu else 1.0)) if n > 1 else 0.0
+        if bucket < psi:  # the first bucket is reduced early in backward, beside it all
+            phases["backward"] = {**states, "ipg bucket": ipg, "gathered params": p * live,
+                                  "activations": acts, "reduce-scatter copies": rs}
+        else:  # one bucket, reduced at the end, when activations and gathered params are gone
+            phases["backward"] = {**states, "gathered params": p * live, "activations": acts}
+            phases["backward end"] = {**states, "ipg bucket": ipg, "reduce-scatter copies": rs}
+        step = dict(states, **{"ipg bucket": ipg})
+        if not offload_optimizer:
+            step["step: flat + fp32 grads"] = (g + 4.0) * min(part, z["sub_group_size"])
+        phases["step"] = step
+        unpart = {"persistent params", "ipg bucket", "gathered params", "gathered param",
+                  "reduce-scatter copies", "activations"}
+    totals = {k: sum(v.values()) for k, v in phases.items()}
+    peak = max(totals, key=totals.get)
+    br = phases[peak]
+    host_terms = set()
+    if offload_optimizer:
+        host_terms |= {"fp32 master", "moments", "fp32 grads (offload)", "fp32 grads"}
+    if offload_params:
+        host_terms |= {"param partition"}
+    host = sum(v for k, v in br.items() if k in host_terms)
+    return {
+        "total": float(totals[peak]),
+        "device": float(totals[peak] - host),
+        "host": float(host),
+        "peak_phase": peak,
+        "phases": {k: float(v) for k, v in totals.items()},
+        "breakdown": {k: float(v) for k, v in br.items()},
+        "unpartitioned": float(sum(v for k, v in br.items() if k in unpart)),
+        "n_params": psi,
+        "bytes_per_param": totals[peak] / psi,
+        "zero_stage": zero_stage, "world_size": n, "dtype": dtype, "micro_batch": micro_batch,
+        "seq_len": acts and activation_memory(args, micro_batch, seq_len, dtype)["seq_len"],
+        "offload_optimizer": bool(offload_optimizer), "offload_params": bool(offload_params),
+        "device_kind": device,
+        "ds_buckets": sizes,
+    }
+
+
+def deepspeed_estimate(args: Union["ModelArgs", str, Path], zero_stage: int, world_size: int,
+                       offload_optimizer: bool = False, offload_params: bool = False) -> Dict[str, Any]:
+    """DeepSpeed's own model-state estimators (``estimate_zero2_model_states_mem_needs``, used by
+    ``..._all_cold`` for ZeRO-1/2, and ``estimate_zero3_model_states_mem_needs`` for ZeRO-3), for
+    one node of ``world_size`` ranks. Bytes: gpu (per rank), cpu (per node), per_rank_cpu_ranks
+    (gpu + cpu / ranks: what a CPU rank would hold). ZeRO-0 has no estimator (None)."""
+    import torch
+
+    from llama_train.model import Transformer, count_params
+
+    args = _resolve_args(args)
+    psi = count_params(args)["total"]
+    try:
+        if zero_stage == 3:
+            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+            with torch.device("meta"):
+                net = Transformer(args)
+            largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in net.modules())
+            cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+                psi, largest, num_gpus_per_node=world_size, num_nodes=1,
+                cpu_offload=offload_optimizer, cpu_offload_params=offload_params, zero_init=True)
+            fn = "deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs"
+        elif zero_stage in (1, 2):
+            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+            cpu, gpu = estimate_zero2_model_states_mem_needs(
+                psi, num_gpus_per_node=world_size, num_nodes=1, cpu_offload=offload_optimizer)
+            fn = "deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs"
+        else:
+            return {"gpu": None, "cpu": None, "per_rank_cpu_ranks": None, "function": None}
+    except ImportError as exc:  # pragma: no cover - DeepSpeed is a dependency
+        return {"gpu": None, "cpu": None, "per_rank_cpu_ranks": None, "function": f"unavailable: {exc}"}
+    return {"gpu": float(gpu), "cpu": float(cpu), "per_rank_cpu_ranks": float(gpu + cpu / world_size),
+            "function": fn, "additional_buffer_factor": 1.5}
+
+
+FIT_ORDER = ("higher ZeRO stage", "activation checkpointing", "smaller micro-batch",
+             "optimizer offload", "param offload")
+
+
+def fit_advice(args: Union["ModelArgs", str, Path], limit_bytes: float, **cfg: Any) -> Dict[str, Any]:
+    """Does ``rank_peak_memory(args, **cfg)`` fit in ``limit_bytes`` per rank (the accelerator's
+    memory; on ``device="cpu"`` the rank's RAM)? If not, the cheapest change that fits, trying
+    :data:`FIT_ORDER` one change at a time (the lowest higher ZeRO stage first; micro-batch halved
+    down to 1, the global batch kept by more accumulation), then the changes accumulated in that
+    order, then two changes together, then three, ... Returns fits, predicted, and suggestion
+    {change, settings, predicted} or None (then ``closest``: all changes together)."""
+    args = _resolve_args(args)
+    cfg = dict(cfg)
+    cfg.setdefault("zero_stage", 0)
+    cfg.setdefault("micro_batch", 1)
+
+    def measure(c: Dict[str, Any]) -> float:
+        r = rank_peak_memory(args, **c)
+        return r["total"] if c.get("device", "cuda") == "cpu" else r["device"]
+
+    def options(c: Dict[str, Any]):
+        for stage in range(c["zero_stage"] + 1, 4):
+            yield FIT_ORDER[0] + f" (ZeRO-{stage})", dict(c, zero_stage=stage)
+        if not c.get("activation_checkpointing"):
+            yield FIT_ORDER[1], dict(c, activation_checkpointing=True)
+        mb = c["micro_batch"]
+        while mb > 1:
+            mb //= 2
+            yield (FIT_ORDER[2] + f" ({mb}, {c['micro_batch'] // mb}x the accumulation)",
+                   dict(c, micro_batch=mb))
+        if c["zero_stage"] >= 1 and not c.get("offload_optimizer"):
+            yield FIT_ORDER[3], dict(c, offload_optimizer=True)
+        if not c.get("offload_params"):
+            yield FIT_ORDER[4] + " (needs ZeRO-3)", dict(c, zero_stage=3, offload_optimizer=True,
+                                                      offload_params=True)
+
+    predicted = measure(cfg)
+    out: Dict[str, Any] = {"fits": predicted <= limit_bytes, "predicted": predicted,
+                           "limit": float(limit_bytes), "suggestion": None, "settings": cfg}
+    if out["fits"]:
+        return out
+    for change, c in options(cfg):
+        if measure(c) <= limit_bytes:
+            out["suggestion"] = {"change": change, "settings": c, "predicted": measure(c)}
+            return out
+    # nothing alone: two changes, then three, ... (kinds in FIT_ORDER, each kind's options
+    # cheapest first), the first combination that fits
+    from itertools import combinations, product
+
+    kinds = {k: [(ch, c) for ch, c in options(cfg) if ch.startswith(k)] for k in FIT_ORDER}
+    kinds = {k: v for k, v in kinds.items() if v}
+    last = None
+    for r in range(2, len(kinds) + 1):
+        for ks in combinations(kinds, r):
+            for combo in product(*(kinds[k] for k in ks)):
+                c = dict(cfg)
+                for _, cand in combo:
+                    c.update({k: v for k, v in cand.items() if v != cfg.get(k)})
+                if c.get("offload_params") or c.get("offload_optimizer"):
+                    c["zero_stage"] = max(c["zero_stage"], 3 if c.get("offload_params") else 1)
+                last = (" + ".join(ch for ch, _ in combo), c)
+                if measure(c) <= limit_bytes:
+                    out["suggestion"] = {"change": last[0], "settings": c, "predicted": measure(c)}
+                    return out
+    out["closest"] = {"change": last[0], "settings": last[1], "predicted": measure(last[1])} if last else None
+    return out

@@ -25,12 +25,10 @@ def _engine(seed: int = 0):
     from llama_train.model import ModelArgs, Transformer
     from llama_train.optim import param_groups
 
-    torch.manual_seed(seed)
     model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, multiple_of=16,
-                                  max_seq_len=32))
-    model.init_weights()
+                                  max_seq_len=32), seed=seed)
     ds = eng.build_ds_config(DeepSpeedConfig(zero_stage=0, precision="fp32"), OptimConfig(),
-                             BatchPlan(1, 2, 1, 2, 16), "cpu")
+                             BatchPlan(1, 2, 1, 2, 16), "cpu", model_dim=64)
     return eng.initialize(model, param_groups(model, OptimConfig()), ds)
 
 

@@ -13,7 +13,7 @@ from _lines import say  # noqa: E402
 from llama_train import engine as eng  # noqa: E402
 from llama_train.comm import CommConfig  # noqa: E402
 from llama_train.config import BatchPlan, DeepSpeedConfig, OptimConfig  # noqa: E402
-from llama_train.model import Transformer, load_preset  # noqa: E402
+from llama_train.model import load_preset  # noqa: E402
 from llama_train.optim import param_groups  # noqa: E402
 from llama_train.proc import exit_skipping_teardown  # noqa: E402
 from llama_train.scaling import model_memory  # noqa: E402
@@ -22,10 +22,10 @@ rt = eng.detect_runtime("cpu")
 eng.init_distributed(CommConfig(), rt.device_type)
 args = load_preset("tiny")
 for stage in (1, 2, 3):
-    torch.manual_seed(0)
-    model = Transformer(args)
     plan = BatchPlan(rt.world_size, 1, 1, rt.world_size, 16)
-    cfg = eng.build_ds_config(DeepSpeedConfig(zero_stage=stage), OptimConfig(), plan, "cpu")
+    cfg = eng.build_ds_config(DeepSpeedConfig(zero_stage=stage), OptimConfig(), plan, "cpu",
+                              model_dim=args.dim)
+    model = eng.build_model(args, cfg, rt.device, seed=0)
     engine = eng.initialize(model, param_groups(model, OptimConfig()), cfg)
     x = torch.randint(0, args.vocab_size, (1, 17))
     _, loss = engine(x[:, :-1], x[:, 1:])
