@@ -106,6 +106,11 @@ class TrainerConfig:
         if self.resume not in ("auto", "never") and not os.path.exists(self.resume):
             raise ConfigError(f"trainer.resume={self.resume!r} is neither 'auto', 'never' nor an "
                               f"existing checkpoint path.")
+        if self.resume not in ("auto", "never") and not os.path.isdir(self.resume):
+            raise ConfigError(
+                f"trainer.resume={self.resume!r} is a file, not a checkpoint: give a checkpoint "
+                f"directory (<output_dir>/checkpoints/step_NNNNNNNN), or 'auto' to continue from "
+                f"the newest complete one in trainer.output_dir.")
         _check_choice("trainer.on_existing", self.on_existing, ("refuse", "archive", "overwrite"))
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise ConfigError(f"trainer.peak_flops={self.peak_flops} must be > 0 or null "
@@ -346,6 +351,16 @@ def validate(cfg: Config, world_size: int, device: str) -> BatchPlan:
     return resolve_batch(t, world_size)
 
 
+def config_warnings(cfg: Config) -> List[str]:
+    """Settings that run but are probably not what was meant: logged at start, not refused."""
+    out, t, o = [], cfg.trainer, cfg.optim
+    if o.warmup_steps >= t.max_steps:
+        out.append(f"optim.warmup_steps={o.warmup_steps} >= trainer.max_steps={t.max_steps}: the "
+                   f"learning rate never reaches optim.lr={o.lr:g} and the cosine decay never "
+                   f"runs. Lower optim.warmup_steps (usually 1-10% of the steps).")
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Resuming under a changed config: which keys define the run
 
@@ -412,10 +427,67 @@ def _reject_unknown_keys(node: DictConfig, prefix: str) -> None:
     for key in node.keys():
         name = f"{prefix}{key}"
         if fields is not None and key not in fields and not str(key).startswith("_"):
-            raise ConfigError(f"unknown config key {name!r}; valid keys here: {sorted(fields)}")
+            raise ConfigError(unknown_key_message(name))
         child = node._get_node(key)
         if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
             _reject_unknown_keys(child, f"{name}.")
+
+
+def config_keys() -> List[str]:
+    """Every key a user can set (``trainer.max_steps``, ``tracking.wandb.mode``, ...)."""
+    return sorted(_flatten(OmegaConf.to_container(OmegaConf.structured(Config))))
+
+
+def unknown_key_message(key: str) -> str:
+    """An unknown key, with the closest valid ones (a typo is the usual cause)."""
+    import difflib
+
+    keys = config_keys()
+    near = difflib.get_close_matches(key, keys, n=3, cutoff=0.75)
+    parent = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    here = [k for k in keys if parent and k.startswith(parent) and "." not in k[len(parent):]]
+    hint = (f"did you mean {' or '.join(near)}?" if near else
+            f"valid keys under {parent[:-1]}: {', '.join(k[len(parent):] for k in here)}"
+            if here else f"the groups are {', '.join(sorted({k.split('.')[0] for k in keys}))}")
+    return (f"unknown config key {key!r}: {hint} (`llama-train --cfg job` prints every key with "
+            f"its value).")
+
+
+def explain_composition_error(e: BaseException) -> Optional[str]:
+    """Hydra's error for a command line it could not compose, as one message that names the
+    key and the fix; None for anything else."""
+    import difflib
+    import re
+
+    from hydra.errors import (ConfigCompositionException, MissingConfigException,
+                              OverrideParseException)
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    cause = e.__cause__
+    if isinstance(e, MissingConfigException) and e.options:
+        m = re.search(r"Could not find '(?:.*/)?([^/']+)/([^/']+)'", str(e))
+        if m:
+            group, name = m.groups()
+            near = difflib.get_close_matches(name, e.options, n=1, cutoff=0.85)
+            return (f"{group}={name}: there is no such {group} config"
+                    + (f"; did you mean {group}={near[0]}?" if near else ".")
+                    + f" Available: {', '.join(e.options)} (configs/{group}/).")
+    if isinstance(e, OverrideParseException):
+        return (f"cannot parse an override on the command line (Hydra: {first.rstrip('.')}). "
+                f"Overrides are key=value, e.g. trainer.max_steps=100; a sweep (with "
+                f"--multirun) is key=a,b.")
+    if isinstance(e, ConfigCompositionException) and isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        m = re.search(r"override '([^']+)'", first)
+        return unknown_key_message(m.group(1) if m else str(cause.full_key))
+    if isinstance(e, ConfigCompositionException) and isinstance(cause, ValidationError):
+        m = re.search(r"override (\S+)", first)
+        said = str(cause).split("\n")[0].rstrip(".")
+        return (f"{m.group(1) if m else cause.full_key}: {said}. Give {cause.full_key} a value "
+                f"of its type (`llama-train --cfg job` shows each key's current value).")
+    if isinstance(e, (ConfigCompositionException, MissingConfigException)):
+        return f"the config could not be composed: {first}"
+    return None
 
 
 def load_config(dcfg: DictConfig) -> Config:

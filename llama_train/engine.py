@@ -19,7 +19,7 @@ import torch
 from llama_train import watchdog
 from llama_train.comm import CommConfig, apply_env
 from llama_train.proc import ds_shm_buffer, free_port
-from llama_train.config import BatchPlan, DeepSpeedConfig, OptimConfig
+from llama_train.config import BatchPlan, ConfigError, DeepSpeedConfig, OptimConfig
 
 
 @dataclass
@@ -50,6 +50,11 @@ def detect_runtime(device: str = "auto") -> Runtime:
     """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        why = ("this torch build has no CUDA" if torch.version.cuda is None
+               else "torch finds no usable CUDA device")
+        raise ConfigError(f"trainer.device=cuda but {why}: run on a GPU machine, or set "
+                          f"trainer.device=auto (picks the GPU when there is one) or cpu.")
     os.environ.setdefault("DS_ACCELERATOR", device)
     if "RANK" not in os.environ:  # not under a launcher
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
@@ -65,6 +70,22 @@ def detect_runtime(device: str = "auto") -> Runtime:
     if device == "cuda":
         torch.cuda.set_device(rt.local_rank)
     return rt
+
+
+def shutdown_distributed() -> None:
+    """End the process group and make DeepSpeed forget the groups it cached from it, so a later
+    :func:`init_distributed` in this process (a program that embeds the trainer, the tests)
+    starts clean."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    from deepspeed.utils import groups
+
+    for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP",
+                 "_TENSOR_MODEL_PARALLEL_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
 
 
 def init_distributed(comm: Optional[CommConfig] = None, device_type: str = "cpu") -> str:

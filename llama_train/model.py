@@ -119,6 +119,15 @@ class ModelArgs:
         """
         return ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
 
+    SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim",
+                    "tie_embeddings")
+
+    def shape_differences(self, other: "ModelArgs") -> list:
+        """``[(name, ours, theirs)]`` for each field that gives ``other``'s weights other shapes
+        than ours: their state dict would not load into this model."""
+        return [(n, getattr(self, n), getattr(other, n)) for n in self.SHAPE_FIELDS
+                if getattr(self, n) != getattr(other, n)]
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelArgs":
         """Build from a plain dict or an OmegaConf ``DictConfig``; unknown keys are an error."""

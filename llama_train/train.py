@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import hydra
 from omegaconf import DictConfig
 
-from llama_train.config import (BatchPlan, Config, ConfigError, load_config, resolve_batch,
-                                validate)
+from llama_train.config import (BatchPlan, Config, ConfigError, config_warnings, load_config,
+                                resolve_batch, validate)
 from llama_train.hooks import Hook
 from llama_train.paths import CONFIG_DIR
 
@@ -70,6 +70,13 @@ def preflight(cfg: Config) -> Preflight:
     _setup_logging(rt.rank)
     cfg, experiment = plan_experiment(cfg, rt.world_size)
     plan = validate(cfg, rt.world_size, rt.device_type)
+    if rt.rank == 0:
+        for warning in config_warnings(cfg):
+            log.warning("%s", warning)
+    if cfg.trainer.init_from:
+        from llama_train.trainer import check_init_from
+
+        check_init_from(cfg.trainer.init_from, cfg.model)
     FaultPlan.from_env()  # a malformed LLAMA_TRAIN_FAULTS fails here, not mid-run
     _check_writable(cfg.trainer.output_dir)
     _check_one_history(cfg)
@@ -111,6 +118,10 @@ def plan_experiment(cfg: Config, world_size: int):
         return cfg, None
     from llama_train.scaling import plan_experiment as plan_for
 
+    if cfg.data.val_fraction == 0:
+        raise ConfigError(f"scaling.mode={cfg.scaling.mode} compares runs by their validation "
+                          f"loss, but data.val_fraction=0 leaves no validation split: set "
+                          f"data.val_fraction > 0 (default 0.01).")
     t = cfg.trainer
     tokens_per_step = resolve_batch(t, world_size).global_batch * t.seq_len
     exp = plan_for(cfg.scaling, cfg.model, t.seq_len, tokens_per_step, cfg.optim.warmup_steps)
@@ -207,13 +218,21 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
     trainer = pre = None
     try:
         cfg = load_config(dcfg)
+        cfg, own_dir = sweep_job_dir(cfg, dcfg)
         pre = preflight(cfg)
+        if own_dir and pre.rt.rank == 0:
+            log.info("--multirun job %s trains in its own trainer.output_dir=%s", own_dir,
+                     cfg.trainer.output_dir)
         trainer = Trainer(pre, hooks)
         result = trainer.fit()
     except ValueError as e:  # ConfigError, DataError, ModelArgs checks: a message, not a trace
         _fail(EXIT_BAD_INPUT, e)
     except (CheckpointError, TrainingAborted) as e:
         _fail(EXIT_CHECKPOINT if isinstance(e, CheckpointError) else EXIT_ABORTED, e)
+    except OSError as e:
+        if not (trainer and _in_output_dir(e, trainer.cfg.trainer.output_dir)):
+            raise
+        _fail(EXIT_CHECKPOINT, OSError(_unwritable(e, trainer.cfg.trainer.output_dir)))
     except Exception as e:
         import torch.distributed as dist
 
@@ -226,6 +245,58 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
         if pre is not None:
             pre.release()
     return result["val_loss"]
+
+
+# A write that fails because of the disk (not a bug): exit 3, like a failed save.
+DISK_ERRNOS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EIO)
+
+
+def _in_output_dir(e: OSError, output_dir: str) -> bool:
+    out = Path(output_dir).absolute()
+    return (e.errno in DISK_ERRNOS and e.filename is not None
+            and (out == Path(e.filename).absolute() or out in Path(e.filename).absolute().parents))
+
+
+def _unwritable(e: OSError, output_dir: str) -> str:
+    """What a run that can no longer write its files (metrics, samples, run info) says."""
+    from llama_train.checkpoint import find_latest
+
+    latest, _ = find_latest(Path(output_dir) / "checkpoints", checksums=False)
+    kept = (f"the last complete checkpoint, {latest}, is intact" if latest else
+            "no checkpoint had been saved yet")
+    return (f"cannot write {e.filename}: {e.strerror} (trainer.output_dir={output_dir} is "
+            f"read-only, full or gone). Stopped; {kept}. Fix the disk or mount and relaunch: "
+            f"the run resumes from the last complete checkpoint.")
+
+
+def sweep_job_dir(cfg: Config, dcfg: DictConfig):
+    """(config, job name): under --multirun each job trains in its own directory,
+    ``<trainer.output_dir>/<this job's swept key=value,...>``, so no job of a sweep resumes
+    another's checkpoint, and rerunning the sweep resumes each job where it stopped. Left alone
+    (name None) outside --multirun, and when trainer.output_dir already differs per job: swept
+    itself, or built from a swept key or Hydra's job directory."""
+    import hashlib
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return cfg, None
+    hc = HydraConfig.get()
+    parsed = OverridesParser.create().parse_overrides(
+        [a for a in sys.argv[1:] if not a.startswith("-")])
+    swept = {o.key_or_group for o in parsed if o.is_sweep_override()}
+    raw = str(OmegaConf.to_container(dcfg.trainer, resolve=False)["output_dir"])
+    if "trainer.output_dir" in swept or "hydra" in raw or any(k in raw for k in swept):
+        return cfg, None
+    parts = [o.lstrip("+~") for o in hc.overrides.task if o.lstrip("+~").split("=")[0] in swept]
+    name = (",".join(parts) or f"job{hc.job.num}").replace(os.sep, "_")
+    if len(name) > 120:  # a file name has at most 255 bytes
+        name = f"{name[:100]}-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+    out = os.path.join(cfg.trainer.output_dir, name)
+    return replace(cfg, trainer=replace(cfg.trainer, output_dir=out)), name
 
 
 def _exit_lost_rank(comm: BaseException, timeout_s: float, step: Optional[int]) -> None:
@@ -267,21 +338,39 @@ def _fail(code: int, e: BaseException) -> None:
 def main(hooks: Sequence[Hook] = ()) -> None:
     """``llama-train``: Hydra overrides from argv; ``hooks`` for programs that embed the trainer
     (``llama-bench train``)."""
+    from llama_train.config import explain_composition_error
+
     sys.argv = [sys.argv[0]] + _strip_launcher_args(sys.argv[1:])
-    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    # Hydra re-raises instead of printing its own trace and exiting 1: a command line it cannot
+    # compose is bad input (exit 2, with a message) like every other.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    in_job = []
 
     def job(dcfg: DictConfig) -> Optional[float]:
-        return run_job(dcfg, hooks)
+        in_job.append(True)
+        try:
+            return run_job(dcfg, hooks)
+        finally:
+            in_job.pop()
 
     try:
         hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="config")(job)()
+    except Exception as e:
+        msg = explain_composition_error(e)
+        if msg is None and isinstance(e, OSError) and not in_job:
+            # Hydra creates its run dir (hydra.run.dir: trainer.output_dir) before the job
+            msg = (f"trainer.output_dir cannot be created: {e.strerror or e} ({e.filename}). "
+                   f"Point trainer.output_dir at a directory path you can write.")
+        if msg is None:
+            raise
+        _fail(EXIT_BAD_INPUT, ConfigError(msg))
     finally:
-        # One process group serves all jobs of a --multirun sweep: DeepSpeed caches its groups,
-        # so it cannot be torn down and rebuilt between jobs in the same process.
-        import torch.distributed as dist
+        # One process group serves all jobs of a --multirun sweep (DeepSpeed caches its groups,
+        # so it is not torn down and rebuilt between jobs); it ends with the sweep.
+        if "deepspeed" in sys.modules:  # imported by a job: there may be a group to end
+            from llama_train.engine import shutdown_distributed
 
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+            shutdown_distributed()
 
 
 if __name__ == "__main__":

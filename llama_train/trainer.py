@@ -133,6 +133,8 @@ class Trainer:
         self.peak = eng.PeakFlops(rt.device, precision, rt.world_size, t.peak_flops)
         self.losses: Dict[int, float] = {}
         self.val_loss: Optional[float] = None
+        # data.val_fraction=0: no validation split, so no evaluation (said once at start)
+        self.has_val = self.prepared.meta["splits"].get("val", {}).get("tokens", 0) > 0
         self._log_start(precision)
 
     def _check_resume_point(self) -> bool:
@@ -177,6 +179,9 @@ class Trainer:
                  f"{n['total']:,}", f"{n['non_embedding']:,}", self.rt.world_size, p.micro_batch,
                  p.grad_accum, p.global_batch, p.seq_len, self.cfg.deepspeed.zero_stage,
                  precision, self.rt.device_type, self.peak.value)
+        if not self.has_val:
+            log.warning("data.val_fraction=%g: the data has no validation split, so there is no "
+                        "evaluation (no val_loss)", self.cfg.data.val_fraction)
 
     # -- the loop ------------------------------------------------------------------------------
     def fit(self) -> Dict[str, Any]:
@@ -204,7 +209,7 @@ class Trainer:
                     continue
                 self.losses[s.step] = out.loss
                 metrics = self.log_step(out)
-                if s.step % t.eval_every == 0 or s.step == t.max_steps:
+                if self.has_val and (s.step % t.eval_every == 0 or s.step == t.max_steps):
                     self.evaluate()
                 run_done = (t.steps_this_run is not None
                             and s.step - first_step >= t.steps_this_run)
@@ -365,6 +370,7 @@ class Trainer:
         """Load ``ckpt`` into the engine, the train state, the data position and (same world
         size) the RNGs. Returns its saved state."""
         universal = self.universal and ckpt == self.resume_from
+        watchdog.note(step=read_state(ckpt)["step"])  # a rank lost while loading is named at it
         saved, rank_state = self.ckpts.load(self.engine, ckpt, universal)
         self.state.load_state_dict(saved)
         self.loader.load_state_dict(saved["data"])
@@ -445,6 +451,12 @@ def _check_config_changes(ckpt: Path, saved_state: Dict[str, Any], run_config: D
     ours = prepared.meta["tokenizer"].get("sha256")
     if theirs.is_file() and ours and file_sha256(theirs) != ours:
         hard.append(("tokenizer sha256 (of the data)", file_sha256(theirs)[:12], ours[:12]))
+    shape = _shape_change(saved_cfg.get("model"), run_config["model"])
+    if shape:  # no allow_config_change can load these weights
+        hard.append(("model shape (the checkpoint's weights would not load)",
+                     ", ".join(f"{n}={old}" for n, old, _ in shape),
+                     ", ".join(f"{n}={new}" for n, _, new in shape)))
+        defining = [c for c in defining if c[0] not in SHAPE_KEYS]  # listed once, above
     allowed = [a.strip() for a in allowed]
     refused = [c for c in defining if not any(c[0] == a or c[0].startswith(a + ".")
                                               for a in allowed)]
@@ -455,8 +467,9 @@ def _check_config_changes(ckpt: Path, saved_state: Dict[str, Any], run_config: D
             keys = ",".join(k for k, _, _ in refused)
             fix.append(f"to change them on purpose add trainer.allow_config_change=[{keys}]")
         if hard:
-            fix.append(f"a changed global batch or tokenizer cannot continue this run: keep "
-                       f"them (prepare the data with data.tokenizer={theirs})")
+            fix.append(f"a changed model shape, global batch or tokenizer cannot continue this "
+                       f"run: keep them (for the tokenizer, prepare the data with "
+                       f"data.tokenizer={theirs}); a new shape is a new run")
         fix.append("or start a new trainer.output_dir (or trainer.resume=never with "
                    "trainer.on_existing=archive)")
         raise ConfigError(f"checkpoint {ckpt} was trained with another run-defining config: "
@@ -469,24 +482,70 @@ def _check_config_changes(ckpt: Path, saved_state: Dict[str, Any], run_config: D
     return go
 
 
-def load_initial_weights(model, model_args, path: str, zero_stage: int = 0) -> None:
-    """trainer.init_from: weights from a Hugging Face Llama directory or a llama-import file
-    (ZeRO-3: into the partitioned model, one gathered parameter at a time)."""
-    from llama_train.hf import import_hf
+# The model keys that set weight shapes (ModelArgs.SHAPE_FIELDS as written in the config).
+SHAPE_KEYS = tuple(f"model.{k}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
+                                          "multiple_of", "ffn_dim_multiplier", "tie_embeddings"))
+
+
+def _shape_change(saved_model: Optional[dict], model: dict) -> list:
+    """[(field, checkpoint's, ours)] where the checkpoint's model has other weight shapes."""
+    from llama_train.model import ModelArgs
+
+    if not saved_model:
+        return []
+    try:
+        theirs = ModelArgs.from_dict(saved_model)
+    except (TypeError, ValueError):  # written by another version: the load itself will tell
+        return []
+    return [(n, old, new) for n, new, old in ModelArgs.from_dict(model).shape_differences(theirs)]
+
+
+def _read_init_from(path: str, with_weights: bool):
+    """(ModelArgs, state dict or None) of trainer.init_from: a Hugging Face Llama directory or a
+    llama-import file (memory-mapped: reading its shape costs no copy of the weights)."""
+    from llama_train.hf import from_hf_config, import_hf
     from llama_train.model import ModelArgs
 
     p = Path(path)
-    if p.is_dir():
-        args, sd = import_hf(p)
-    else:
-        blob = torch.load(p, map_location="cpu", weights_only=True)
-        args, sd = ModelArgs(**blob["model_args"]), blob["model"]
-    for name in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim"):
-        if getattr(args, name) != getattr(model_args, name):
-            raise ConfigError(
-                f"trainer.init_from={path} has {name}={getattr(args, name)} but the model "
-                f"config has {getattr(model_args, name)}: pick the matching model preset."
-            )
+    what = (f"trainer.init_from={path} is not weights we can start from: give a Hugging Face "
+            f"Llama directory (config.json + safetensors) or a .pt written by llama-import "
+            f"(a llama_train checkpoint directory: llama-export it first, or continue it with "
+            f"trainer.resume=<it>)")
+    try:
+        if p.is_dir():
+            if with_weights:
+                return import_hf(p)
+            if not (p / "config.json").is_file():
+                raise ValueError(f"{p / 'config.json'} does not exist")
+            return from_hf_config(json.loads((p / "config.json").read_text())), None
+        blob = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+        if not isinstance(blob, dict) or not {"model_args", "model"} <= set(blob):
+            raise ValueError(f"it holds {type(blob).__name__} "
+                             f"{sorted(blob)[:5] if isinstance(blob, dict) else ''}, not "
+                             f"{{'model_args', 'model'}}")
+        return ModelArgs(**blob["model_args"]), (blob["model"] if with_weights else None)
+    except Exception as e:  # noqa: BLE001 - whatever the reader says, the answer is the same
+        raise ConfigError(f"{what}. Reading it said: {str(e).strip().splitlines()[0][:300]}") \
+            from None
+
+
+def check_init_from(path: str, model_args) -> None:
+    """trainer.init_from must be readable weights of this model's shape: checked before the
+    process group starts."""
+    args, _ = _read_init_from(path, with_weights=False)
+    diff = model_args.shape_differences(args)
+    if diff:
+        raise ConfigError(
+            f"trainer.init_from={path} has "
+            + ", ".join(f"{n}={theirs}" for n, _, theirs in diff) + " but the model config has "
+            + ", ".join(f"{n}={ours}" for n, ours, _ in diff) + ": pick the matching model preset.")
+
+
+def load_initial_weights(model, model_args, path: str, zero_stage: int = 0) -> None:
+    """trainer.init_from: weights from a Hugging Face Llama directory or a llama-import file
+    (ZeRO-3: into the partitioned model, one gathered parameter at a time)."""
+    check_init_from(path, model_args)
+    _, sd = _read_init_from(path, with_weights=True)
     eng.load_full_state(model, sd, zero_stage)
     log.info("initialised weights from %s", path)
 

@@ -131,8 +131,8 @@ def world_of_one():
     later ones reuse it. Afterwards the group is destroyed, DeepSpeed's cached groups are
     forgotten and the launcher variables restored, so another module can start its own."""
     import torch
-    import torch.distributed as dist
-    from deepspeed.utils import groups
+
+    from llama_train.engine import shutdown_distributed
 
     before = {k: os.environ.get(k) for k in LAUNCH_VARS}
     threads = torch.get_num_threads()
@@ -142,12 +142,7 @@ def world_of_one():
     try:
         yield
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP",
-                     "_TENSOR_MODEL_PARALLEL_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP"):
-            if hasattr(groups, name):
-                setattr(groups, name, None)
+        shutdown_distributed()
         for k, v in before.items():
             if v is None:
                 os.environ.pop(k, None)

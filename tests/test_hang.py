@@ -2,16 +2,17 @@
 
 Through the real deepspeed launcher, 2 CPU ranks, the tiny model, ``comm.timeout_s=10``: one
 rank is stopped (SIGSTOP: it cannot run at all, as a rank frozen in the kernel or in a C call)
-or killed (SIGKILL) once the job has logged step 3, or stops itself inside an evaluation or
-half-way through a checkpoint save. Every case must end with the launcher's exit within
+or killed (SIGKILL) once the job has logged step 3, or stops itself inside an evaluation,
+half-way through a checkpoint save, or half-way through loading the checkpoint it resumes. Every case must end with the launcher's exit within
 ``comm.timeout_s + 30`` s of the stop, and a survivor's line naming the lost rank and its step.
 A stopped rank ends with exit status 5 (the survivor's); a killed one with the launcher's status
 for the killed rank (it reports the first rank it finds dead, and that is the killed one).
 
 Cases run a few at a time (CI time: each waits ``comm.timeout_s`` mostly idle). The default set
 covers every ZeRO stage with SIGSTOP of rank 1 (the survivor sees its heartbeat stop) and SIGKILL
-of rank 0 (the survivor loses the store's host), plus eval and save; ``LLAMA_TRAIN_HANG_MATRIX=full``
-runs all 16 stage x signal x rank combinations (and the two phase cases).
+of rank 0 (the survivor loses the store's host), plus eval, save and load;
+``LLAMA_TRAIN_HANG_MATRIX=full`` runs all 16 stage x signal x rank combinations (and the three
+phase cases).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Optional
 import psutil
 import pytest
 
-from helpers import BIN, TINY, free_port, spawn, tail, wait_for
+from helpers import BIN, TINY, free_port, spawn, tail, train, wait_for
 
 TIMEOUT_S = 10
 BUDGET_S = TIMEOUT_S + 30
@@ -42,17 +43,16 @@ class Case:
     stage: int
     how: str  # stop | kill
     rank: int  # the rank stopped or killed
-    phase: str = "train"  # train: by the test after step 3; eval | save: by the rank itself
+    phase: str = "train"  # train: by the test after step 3; eval | save | load: by the rank itself
 
     @property
     def name(self) -> str:
         return f"zero{self.stage}-{self.how}-rank{self.rank}-{self.phase}"
 
 
-DEFAULT = ([Case(s, "stop", 1) for s in range(4)] + [Case(s, "kill", 0) for s in range(4)]
-           + [Case(2, "stop", 1, "eval"), Case(3, "stop", 0, "save")])
-FULL = ([Case(s, how, r) for s in range(4) for how in ("stop", "kill") for r in (0, 1)]
-        + [Case(2, "stop", 1, "eval"), Case(3, "stop", 0, "save")])
+PHASES = [Case(2, "stop", 1, "eval"), Case(3, "stop", 0, "save"), Case(2, "stop", 1, "load")]
+DEFAULT = [Case(s, "stop", 1) for s in range(4)] + [Case(s, "kill", 0) for s in range(4)] + PHASES
+FULL = [Case(s, how, r) for s in range(4) for how in ("stop", "kill") for r in (0, 1)] + PHASES
 
 
 def _cases():
@@ -104,8 +104,12 @@ def _run(case: Case, work: Path) -> dict:
     overrides = [*TINY, f"trainer.output_dir={out}", f"deepspeed.zero_stage={case.stage}",
                  f"comm.timeout_s={TIMEOUT_S}", "trainer.max_steps=100000"]
     env = {}
-    if case.phase != "train":
+    if case.phase == "load":  # a checkpoint of step 3 to resume
+        train(out, [f"deepspeed.zero_stage={case.stage}", "trainer.max_steps=3",
+                    "trainer.save_every=3"], log_name="first.log")
+    elif case.phase != "train":
         overrides += [f"trainer.{case.phase}_every=3"]
+    if case.phase != "train":
         env["HANG_WORKER_STOP"] = f"{case.phase}:{case.rank}:3"
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
            str(WORKER), *overrides]

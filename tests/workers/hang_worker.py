@@ -4,7 +4,8 @@
   trainer's own calls do (``watchdog.note(step=..., phase="train")``).
 * ``HANG_WORKER_STOP=<phase>:<rank>:<step>[:<signal>]`` makes that rank stop itself (SIGSTOP;
   ``kill``: SIGKILL) inside that phase of that step: ``eval`` as the evaluation of the step
-  starts, ``save`` half-way through the checkpoint of the step (after DeepSpeed's first file).
+  starts, ``save`` half-way through the checkpoint of the step (after DeepSpeed's first file),
+  ``load`` half-way through resuming the checkpoint of that step (after the first file read).
 
 Started by the real ``deepspeed`` launcher with Hydra overrides, like ``llama_train.train``.
 """
@@ -65,6 +66,14 @@ def _instrument() -> None:
         return out
 
     torch.save = save
+    real_load = torch.load
+
+    def load(*args, **kwargs):
+        out = real_load(*args, **kwargs)
+        _stop_here("load")
+        return out
+
+    torch.load = load
 
 
 if __name__ == "__main__":

@@ -1,0 +1,214 @@
+"""Bad input, through the real entry point: `llama-train`'s ``main()`` (Hydra, preflight, the
+trainer), in this process as a world of one. Each row is a mistake a user makes; each must end
+with the documented exit code and one message naming the key (or file) and the fix, never a
+traceback, and must leave the output directory as it was (docs/reliability.md, "Bad input").
+
+The in-process config table (every group's own checks, before any process group) is in
+test_config.py; hung ranks, locks and corrupt checkpoints through the launcher are in
+test_hang.py and test_integrity.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import TINY, free_port, world_of_one
+from llama_train import train as train_mod
+from llama_train.model import ModelArgs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank():
+    with world_of_one():
+        yield
+
+
+def llama_train(argv, monkeypatch, capsys) -> tuple[int, str]:
+    """``llama-train <argv>`` in this process: (exit code, stderr + stdout)."""
+    monkeypatch.setattr(sys, "argv", ["llama-train", *argv])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # main() sets it; restored afterwards
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # main() ends its group: a new one each
+    code = 0
+    try:
+        train_mod.main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.err + out.out
+
+
+def tree(d: Path) -> dict:
+    """Every file under ``d`` with its content's hash: "left as it was" means equal trees."""
+    if not d.exists():
+        return {}
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished tiny run (6 steps, checkpoints at 3 and 6) to resume, and files to misuse."""
+    work = tmp_path_factory.mktemp("bad_inputs")
+    out = work / "run"
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(sys, "argv", ["llama-train", *TINY, f"trainer.output_dir={out}",
+                                 "trainer.save_every=3"])
+        mp.setenv("HYDRA_FULL_ERROR", "0")
+        mp.setenv("MASTER_PORT", str(free_port()))
+        train_mod.main()
+    finally:
+        mp.undo()
+    (work / "notes.txt").write_text("not a checkpoint\n")
+    (work / "empty_dir").mkdir()
+    other = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=2048)
+    torch.save({"model_args": asdict(other), "model": {}}, work / "other_shape.pt")
+    return work, out
+
+
+def _cases(work: Path, out: Path):
+    notes, step6 = work / "notes.txt", out / "checkpoints" / "step_00000006"
+    run = [f"trainer.output_dir={out}"]
+    elsewhere = [f"trainer.output_dir={work / 'fresh'}"]
+    return [
+        # (name, argv, exit code, fragments the message must hold)
+        # -- composing the command line (Hydra) --
+        ("typo in a key", ["trainer.max_step=5"], 2, ["did you mean trainer.max_steps?"]),
+        ("typo in a group", ["modle.dim=64"], 2, ["did you mean model.dim?"]),
+        ("typo in a nested key", ["tracking.wandb.mod=offline"], 2,
+         ["tracking.wandb.mode"]),
+        ("unknown key forced with +", ["+trainer.foo=1"], 2, ["'trainer.foo'", "max_steps"]),
+        ("wrong type", ["trainer.max_steps=many"], 2, ["trainer.max_steps=many", "Integer"]),
+        ("bool for a list", ["trainer.allow_config_change=true"], 2,
+         ["trainer.allow_config_change"]),
+        ("unknown model preset", ["model=llama4_1t"], 2, ["model=llama4_1t", "llama3_8b"]),
+        ("misspelt experiment", ["experiment=compute_optimall"], 2,
+         ["did you mean experiment=compute_optimal?"]),
+        ("unknown group option", ["trainer=nope"], 2, ["trainer=nope", "default"]),
+        ("unparsable override", ["trainer.max_steps=5,"], 2, ["cannot parse", "key=value"]),
+        # -- values each group checks (a sample; test_config.py has the full table) --
+        ("negative micro batch", ["trainer.micro_batch=-1"], 2, ["trainer.micro_batch"]),
+        ("choice out of range", ["trainer.on_existing=keep"], 2, ["trainer.on_existing"]),
+        ("heads do not divide dim", ["model.dim=100", "model.n_heads=3"], 2, ["model.n_heads"]),
+        ("missing data", ["data.source=/no/such/corpus.jsonl"], 2, ["/no/such/corpus.jsonl"]),
+        ("malformed fault spec", ["LLAMA_TRAIN_FAULTS=explode:step=1"], 2, ["unknown fault"]),
+        # -- the machine --
+        ("cuda without a GPU", ["trainer.device=cuda"], 2, ["trainer.device=cuda", "auto"]),
+        ("output_dir under a file", [f"trainer.output_dir={notes}/out"], 2,
+         ["trainer.output_dir", "Not a directory"]),
+        # -- weights and checkpoints --
+        ("init_from a text file", [f"trainer.init_from={notes}", *elsewhere], 2,
+         ["trainer.init_from", "llama-import"]),
+        ("init_from a dir without config.json",
+         [f"trainer.init_from={work / 'empty_dir'}", *elsewhere], 2,
+         ["trainer.init_from", "config.json"]),
+        ("init_from another shape", [f"trainer.init_from={work / 'other_shape.pt'}",
+                                     *elsewhere], 2, ["dim=64", "matching model preset"]),
+        ("resume a regular file", [f"trainer.resume={notes}", *elsewhere], 2,
+         ["is a file, not a checkpoint"]),
+        ("resume a missing path", ["trainer.resume=/no/such/step_00000001", *elsewhere], 2,
+         ["trainer.resume"]),
+        ("resume with another model.dim", [*run, "model.dim=256"], 2,
+         ["model shape", "dim=128", "dim=256", "Nothing was changed"]),
+        ("another model.dim even if allowed",
+         [*run, "model.dim=256", "trainer.allow_config_change=[model.dim]"], 2,
+         ["model shape", "a new shape is a new run"]),
+        ("resume with another lr", [*run, "optim.lr=1e-3"], 2,
+         ["optim.lr", "trainer.allow_config_change=[optim.lr]"]),
+        ("resume=never in a used dir", [*run, "trainer.resume=never"], 2,
+         ["one output_dir holds one history", "trainer.on_existing=archive"]),
+        ("explicit resume of another run's checkpoint with another seed",
+         [f"trainer.resume={step6}", "trainer.seed=7", *elsewhere], 2, ["trainer.seed"]),
+        # -- experiments --
+        ("experiment without val split",
+         ["experiment=compute_optimal", "scaling.flops=1e12", "data.val_fraction=0",
+          *elsewhere], 2, ["data.val_fraction"]),
+    ]
+
+
+def test_bad_input_table(finished, monkeypatch, capsys):
+    """Every row: the exit code, the message, no traceback, and nothing written."""
+    work, out = finished
+    before = tree(out)
+    failures = []
+    cases = _cases(work, out)
+    for name, argv, want, fragments in cases:
+        env = [a for a in argv if a.startswith("LLAMA_TRAIN_FAULTS=")]
+        with monkeypatch.context() as mp:
+            for e in env:
+                mp.setenv(*e.split("=", 1))
+            if name == "cuda without a GPU" and torch.cuda.is_available():
+                continue
+            code, text = llama_train([*TINY, f"trainer.output_dir={work / 'scratch'}",
+                                      *[a for a in argv if a not in env]], mp, capsys)
+        errors = [line for line in text.splitlines() if line.startswith("llama-train: error:")]
+        problems = []
+        if code != want:
+            problems.append(f"exit {code}, want {want}")
+        if "Traceback" in text:
+            problems.append("a traceback")
+        if len(errors) != 1:
+            problems.append(f"{len(errors)} 'llama-train: error:' lines")
+        missing = [f for f in fragments if not any(f in e for e in errors)]
+        if missing:
+            problems.append(f"message lacks {missing}")
+        if problems:
+            failures.append(f"{name}: {'; '.join(problems)}\n    " + "\n    ".join(
+                errors or text.splitlines()[-8:]))
+    assert len(cases) >= 25
+    assert not failures, "\n".join(failures)
+    assert tree(out) == before, "a refused command changed the finished run's files"
+    assert not (work / "fresh" / "checkpoints").exists()
+
+
+def test_warmup_past_the_end_is_said(tmp_path, monkeypatch, capsys):
+    code, text = llama_train([*TINY, f"trainer.output_dir={tmp_path}", "trainer.max_steps=3",
+                           "optim.warmup_steps=5"], monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    assert "WARNING optim.warmup_steps=5 >= trainer.max_steps=3" in text
+
+
+@pytest.mark.slow  # prepares its own data (a tokenizer without a val split)
+def test_no_validation_split_means_no_evaluation(tmp_path, monkeypatch, capsys):
+    """data.val_fraction=0 is supported: the run trains, says there is no evaluation, and
+    logs no val_loss."""
+    code, text = llama_train([*TINY, f"trainer.output_dir={tmp_path}", "trainer.max_steps=2",
+                           "data.val_fraction=0"], monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert not any("val_loss" in r for r in records)
+    assert "no validation split, so there is no evaluation" in text
+
+
+def test_multirun_jobs_get_their_own_directories(tmp_path, monkeypatch, capsys):
+    """A --multirun sweep: each job trains in <output_dir>/<its swept values>, so job 1 never
+    resumes job 0's checkpoint; rerunning the sweep continues each job in its own directory."""
+    sweep = tmp_path / "sweep"
+    argv = ["--multirun", *TINY, "trainer.max_steps=3", "optim.lr=1e-3,3e-4",
+            f"trainer.output_dir={sweep}", f"hydra.sweep.dir={tmp_path / 'hydra'}"]
+    code, text = llama_train(argv, monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    jobs = {p.name: p for p in sweep.iterdir() if p.is_dir()}
+    assert set(jobs) == {"optim.lr=0.001", "optim.lr=0.0003"}, sorted(jobs)
+    for name, d in jobs.items():
+        cfg = (d / "config.yaml").read_text()
+        assert f"lr: {name.split('=')[1]}" in cfg or f"lr: {float(name.split('=')[1])}" in cfg
+        steps = [json.loads(line)["step"] for line in (d / "metrics.jsonl").read_text()
+                 .splitlines() if "loss" in json.loads(line)]
+        assert steps == [1, 2, 3], (name, steps)
+    # the same sweep, longer: each job resumes its own checkpoint
+    code, text = llama_train([a.replace("max_steps=3", "max_steps=4") for a in argv],
+                             monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    for d in jobs.values():
+        steps = [json.loads(line)["step"] for line in (d / "metrics.jsonl").read_text()
+                 .splitlines() if "loss" in json.loads(line)]
+        assert steps == [1, 2, 3, 4], (d.name, steps)
