@@ -240,8 +240,17 @@ class WandbConfig:
 
 
 @dataclass
+class TensorBoardConfig:
+    """TensorBoard event files (``torch.utils.tensorboard``), written by rank 0; off by default."""
+
+    enabled: bool = False
+    dir: Optional[str] = None  # default: <output_dir>/tensorboard
+
+
+@dataclass
 class TrackingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     metrics_file: str = "metrics.jsonl"
     console: bool = True
 
@@ -526,6 +535,7 @@ def scrub_secrets(obj: Any) -> Any:
 
 __all__ = [
     "BatchPlan", "Config", "ConfigError", "DeepSpeedConfig", "OptimConfig", "RecoveryConfig",
-    "SampleConfig", "ScalingConfig", "TrackingConfig", "TrainerConfig", "WandbConfig", "MISSING",
+    "SampleConfig", "ScalingConfig", "TensorBoardConfig", "TrackingConfig", "TrainerConfig",
+    "WandbConfig", "MISSING",
     "load_config", "register_configs", "resolve_batch", "to_container", "validate",
 ]

@@ -582,22 +582,26 @@ def peak_flops(device: torch.device, precision: str) -> float:
 
 
 class PeakFlops:
-    """The denominator of MFU, for the whole job (per-rank peak x world size).
-
-    A measured peak (CPU, unknown GPUs) is a matmul timed at start-up; on a machine that was busy
-    at that moment it reads low, and MFU comes out above 100%. So when the run beats a measured
-    peak, the matmul is timed again and the higher reading kept. Datasheet figures and
-    `trainer.peak_flops` are taken as given."""
+    """The denominator of MFU for the whole job (per-device peak x world size), decided once at
+    start and never changed, so MFU moves only with throughput: `trainer.peak_flops` when given,
+    else the datasheet dense bf16 figure of a known GPU, else a matmul timed once at start-up
+    (on a machine busy at that moment it reads low; the trainer then says so, once).
+    ``source`` says which."""
 
     def __init__(self, device: torch.device, precision: str, world_size: int,
                  override: Optional[float] = None):
-        self.device, self.precision, self.world_size = device, precision, world_size
-        self.measured = override is None and _datasheet_flops(device) is None
-        self.value = (override or peak_flops(device, precision)) * world_size
+        sheet = _datasheet_flops(device)
+        if override is not None:
+            per_device, self.source = override, "trainer.peak_flops"
+        elif sheet is not None:
+            per_device = sheet
+            self.source = f"datasheet bf16 dense, {torch.cuda.get_device_name(device)}"
+        else:
+            per_device = peak_flops(device, precision)
+            self.source = f"{precision} matmul measured at start on {device.type}"
+        self.value = per_device * world_size
 
     def mfu(self, achieved: float) -> float:
-        if self.measured and achieved > self.value:
-            self.value = max(self.value, peak_flops(self.device, self.precision) * self.world_size)
         return achieved / self.value
 
 

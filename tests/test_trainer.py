@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -71,6 +72,37 @@ def test_loop_logs_every_step_with_its_schedule_and_timing(reference):
     # hooks: begin before end, once per step, the logged metrics handed over
     assert [c[:2] for c in hook.calls] == [(k, s) for s in range(1, 9) for k in ("begin", "end")]
     assert "data_wait_s" in hook.calls[1][2]
+
+
+class Pause(Hook):
+    """Sleeps before some steps: time outside any step, inside the log interval's wall time."""
+
+    def __init__(self, steps, seconds):
+        self.steps, self.seconds = steps, seconds
+
+    def on_step_begin(self, step):
+        if step in self.steps:
+            time.sleep(self.seconds)
+
+
+def test_throughput_is_the_log_intervals(tmp_path):
+    """tokens_per_s is the interval's tokens over its wall time, not the last step's; the step
+    time is the interval's median. A 0.4 s pause inside each 3-step interval must show."""
+    out = tmp_path / "speed"
+    train(cfg_for(out, "trainer.max_steps=6", "trainer.log_every=3"),
+          hooks=[Pause({2, 5}, 0.4)])
+    logged = step_rows(out)
+    assert sorted(logged) == [1, 3, 6]
+    tokens_per_step = 4 * 64
+    for step, r in ((3, logged[3]), (6, logged[6])):
+        assert r["interval_steps"] == (2 if step == 3 else 3)
+        assert r["tokens_per_s"] * r["interval_s"] == pytest.approx(
+            r["interval_steps"] * tokens_per_step)
+        assert r["interval_s"] >= 0.4 + r["interval_steps"] * r["step_time_s"] * 0.5
+        # the last step's own rate (what was reported before) is far above the interval's
+        assert r["tokens_per_s"] < 0.8 * tokens_per_step / r["step_time_s"]
+        assert r["mfu"] * (logged[6]["tokens_per_s"] / r["tokens_per_s"]) \
+            == pytest.approx(logged[6]["mfu"])  # one peak for the run
 
 
 def test_resume_continues_bit_identically(reference, tmp_path):
