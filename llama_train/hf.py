@@ -263,32 +263,83 @@ def _sentencepiece_info(path: Path) -> dict:
     return info
 
 
-def _write_tokenizer(tokenizer_model: Path, out_dir: Path, info: dict, max_len: int) -> None:
+def _write_tokenizer(tokenizer_model: Path, out_dir: Path, info: dict, max_len: int,
+                     add_bos: bool) -> None:
+    """``tokenizer.model`` plus the files ``AutoTokenizer`` loads, encoding every text to the ids
+    our sentencepiece model gives it and prepending BOS only if training did (``data.add_bos``).
+
+    Left to convert ``tokenizer.model`` itself, transformers' Llama tokenizer prepends "▁" only
+    to text that does not start with a space (its Metaspace pre-tokenizer), where sentencepiece
+    always adds its dummy prefix: "  two" came out as ["▁▁", "two"] instead of ["▁▁", "▁two"].
+    So we write ``tokenizer.json`` ourselves: transformers' own conversion of the vocabulary and
+    merges, with sentencepiece's normalisation (prepend "▁", spaces to "▁"), no pre-tokenizer,
+    a decoder that drops the dummy prefix, and special-token strings in text taken literally."""
     shutil.copyfile(tokenizer_model, out_dir / "tokenizer.model")
     special = {k: info[f"{k}_token"] for k in ("bos", "eos", "unk", "pad") if info[f"{k}_token"] is not None}
+    if add_bos and info["bos_id"] is None:
+        raise ValueError(f"the model was trained with a BOS token but {tokenizer_model} has none")
     cfg = {
         "tokenizer_class": "LlamaTokenizer",
-        "add_bos_token": info["bos_id"] is not None,
+        "add_bos_token": add_bos,
         "add_eos_token": False,
         "legacy": False,
         "clean_up_tokenization_spaces": False,
+        "split_special_tokens": True,
         "model_max_length": max_len,
         **{f"{k}_token": v for k, v in special.items()},
     }
+    if _write_tokenizer_json(out_dir, info, add_bos):
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out_dir / "special_tokens_map.json").write_text(
         json.dumps({f"{k}_token": v for k, v in special.items()}, indent=2) + "\n")
 
 
+def _write_tokenizer_json(out_dir: Path, info: dict, add_bos: bool) -> bool:
+    """tokenizer.json next to the copied tokenizer.model (needs transformers; False without)."""
+    try:
+        from tokenizers import decoders, normalizers, processors
+        from transformers import AutoTokenizer
+    except ImportError:
+        log.warning("transformers is not installed: no tokenizer.json written; AutoTokenizer will "
+                    "convert tokenizer.model itself and may tokenize leading spaces differently "
+                    "from training (pip install transformers, then export again)")
+        return False
+    backend = AutoTokenizer.from_pretrained(str(out_dir)).backend_tokenizer
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                               normalizers.Replace(" ", "▁")])
+    backend.pre_tokenizer = None
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    bos = info["bos_token"]
+    backend.post_processor = (processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, info["bos_id"])])
+        if add_bos else None)
+    backend.save(str(out_dir / "tokenizer.json"))
+    return True
+
+
+def trained_with_bos(checkpoint_dir: PathLike) -> bool:
+    """``data.add_bos`` of the run that wrote this checkpoint (its config.yaml; False, the
+    default, when the checkpoint has none)."""
+    cfg_file = Path(checkpoint_dir) / "config.yaml"
+    if not cfg_file.is_file():
+        return False
+    from omegaconf import OmegaConf
+
+    return bool(OmegaConf.select(OmegaConf.load(cfg_file), "data.add_bos", default=False))
+
+
 def export_hf(args: ModelArgs, state_dict: Mapping[str, torch.Tensor], out_dir: PathLike,
               tokenizer_model: Optional[PathLike] = None, dtype: torch.dtype = torch.float32,
-              max_shard_bytes: int = _MAX_SHARD_BYTES) -> Path:
+              max_shard_bytes: int = _MAX_SHARD_BYTES, add_bos: bool = False) -> Path:
     """Write a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 
     Files: ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` + index json when larger
     than ``max_shard_bytes``), ``config.json``, ``generation_config.json`` and, given a
-    sentencepiece ``tokenizer.model``, ``tokenizer.model`` + ``tokenizer_config.json`` for
-    ``AutoTokenizer``. bos/eos ids come from the tokenizer (LLaMA's 1/2 without one).
+    sentencepiece ``tokenizer.model``, it and the files ``AutoTokenizer`` loads (``add_bos``:
+    whether training prepended BOS, ``data.add_bos``). bos/eos ids come from the tokenizer
+    (LLaMA's 1/2 without one).
     """
     from safetensors.torch import save_file
 
@@ -338,7 +389,7 @@ def export_hf(args: ModelArgs, state_dict: Mapping[str, torch.Tensor], out_dir: 
     (out / "generation_config.json").write_text(
         json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2) + "\n")
     if tokenizer_model is not None:
-        _write_tokenizer(tokenizer_model, out, info, args.max_seq_len)
+        _write_tokenizer(tokenizer_model, out, info, args.max_seq_len, add_bos)
     return out
 
 
@@ -380,7 +431,9 @@ def export_main(argv: Optional[list[str]] = None) -> None:
     from llama_train.checkpoint import load_consolidated
 
     args, state_dict, tokenizer_model = load_consolidated(a.checkpoint_dir)
-    out = export_hf(args, state_dict, a.out_dir, tokenizer_model=tokenizer_model, dtype=_DTYPES[a.dtype])
+    add_bos = bool(tokenizer_model) and trained_with_bos(Path(tokenizer_model).parent)
+    out = export_hf(args, state_dict, a.out_dir, tokenizer_model=tokenizer_model,
+                    dtype=_DTYPES[a.dtype], add_bos=add_bos)
     print(f"exported {a.checkpoint_dir} -> {out} ({a.dtype}{', with tokenizer' if tokenizer_model else ''})")
 
 

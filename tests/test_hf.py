@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from dataclasses import replace
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may come from the hub; set before transformers loads
@@ -150,14 +151,26 @@ def test_export_loads_in_transformers_with_equal_logits_and_tokenizer(tmp_path, 
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, m(x), atol=1e-4, rtol=0)
 
-    tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
     sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    rng = random.Random(0)
     samples = ["Hello world", "The assert statement.\nIt   has  runs of spaces\tand tabs.",
-               "naïve café 日本語 ☃", "def f(x):\n    return x**2\n", text[:4000]]
+               "naïve café 日本語 ☃", "def f(x):\n    return x**2\n", text[:4000],
+               "  two leading spaces\tand a tab", " ", "   ", "trailing spaces   ",
+               "\tindented\n\t\tcode\n", "emoji 😀🎉 ok", "中文字符测试，句号。", "x\u00a0y",
+               "<s> a literal </s> in text", "\r\nwindows\r\n", "\n\nblank lines first"]
+    samples += [text[i:i + rng.randint(1, 200)] for i in rng.sample(range(len(text) - 200), 200)]
+    # without BOS, as training by default (data.add_bos=false)
+    tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
     for s in samples:
-        assert tok(s, add_special_tokens=False)["input_ids"] == sp.encode(s), s[:30]
-        assert tok.decode(sp.encode(s)) == s
-    assert tok("Hello")["input_ids"] == [sp.bos_id()] + sp.encode("Hello")
+        assert tok(s)["input_ids"] == sp.encode(s), repr(s[:40])
+        assert tok.decode(sp.encode(s)) == sp.decode(sp.encode(s)), repr(s[:40])
+    # with BOS, as a run with data.add_bos=true trained
+    out_bos = export_hf(ARGS, m.state_dict(), tmp_path / "hf_bos", tokenizer_model=model_file,
+                        add_bos=True)
+    tok = transformers.AutoTokenizer.from_pretrained(out_bos, local_files_only=True)
+    for s in samples[:20]:
+        assert tok(s)["input_ids"] == [sp.bos_id()] + sp.encode(s), repr(s[:40])
+        assert tok.decode(tok(s)["input_ids"], skip_special_tokens=True) == sp.decode(sp.encode(s))
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (sp.bos_id(), sp.eos_id())
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -374,7 +375,8 @@ def test_plan_experiment_none_and_fixed():
     m = plan.model
     assert count_params(m)["total"] == pytest.approx(1e6, rel=0.05)
     assert (m.vocab_size, m.max_seq_len) == (2048, 256)  # the model's vocab; max(seq_len, model's)
-    assert plan.describe().startswith("fixed: C=6e+12 FLOPs -> N=1e+06 params (dim ")
+    assert plan.describe().startswith("fixed (fit none (fixed N)): C=6e+12 FLOPs -> N=1e+06 "
+                                      "total params (dim ")
     assert plan.describe().endswith("D=1e+06 tokens, 977 steps")
     # scaling.vocab_size wins; a longer seq_len widens max_seq_len; a short warmup is kept
     plan = _plan(seq_len=512, warmup_steps=5, mode="fixed", flops=6e12, params=1e6, vocab_size=1024)
@@ -393,7 +395,7 @@ def test_plan_experiment_follows_the_planners(mode):
     assert (plan.n_params, plan.n_tokens) == (want["n_params"], want["n_tokens"])
     assert count_params(plan.model)["total"] == pytest.approx(want["n_params"], rel=0.05)
     assert plan.max_steps == math.ceil(want["n_tokens"] / 1024)
-    assert plan.describe().startswith(f"{mode}: C=3e+14 FLOPs")
+    assert plan.describe().startswith(f"{mode} (fit epoch): C=3e+14 FLOPs")
 
 
 @pytest.mark.parametrize("scaling,key", [
@@ -405,6 +407,59 @@ def test_plan_experiment_follows_the_planners(mode):
 def test_plan_experiment_errors_name_the_key(scaling, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         _plan(**scaling)
+
+
+def test_small_budget_errors_name_config_keys_that_exist():
+    """The advice of a failed shape search is in Hydra keys, and each key it names is real."""
+    from llama_train.config import config_keys
+
+    with pytest.raises(ConfigError) as err:
+        _plan(mode="compute_optimal", flops=3e12)  # N = 2.6e5: below the 2048-vocab embeddings
+    msg = str(err.value)
+    named = set(re.findall(r"\b((?:scaling|model)\.[a-z_]+)", msg))
+    assert {"scaling.tolerance", "scaling.count", "model.tie_embeddings"} <= named, msg
+    assert named <= set(config_keys()), named - set(config_keys())
+    # and following it works: non-embedding counts, or a wider tolerance
+    plan = _plan(mode="compute_optimal", flops=3e12, count="non_embedding", tolerance=0.1)
+    assert count_params(plan.model)["non_embedding"] == pytest.approx(plan.n_params, rel=0.1)
+    assert plan.describe().startswith("compute_optimal (fit chinchilla): C=3e+12 FLOPs -> "
+                                      "N=2.58e+05 non_embedding params")
+    plan = _plan(mode="compute_optimal", flops=1e13, tolerance=0.06)
+    assert count_params(plan.model)["total"] == pytest.approx(plan.n_params, rel=0.06)
+    with pytest.raises(ConfigError, match="scaling.count"):
+        ScalingConfig(count="embedding")
+    with pytest.raises(ConfigError, match="scaling.tolerance"):
+        ScalingConfig(tolerance=0)
+
+
+def test_experiment_directories_have_readable_names():
+    """C3e14, not C300000000000000.0."""
+    from hydra import compose, initialize_config_dir
+
+    from llama_train.config import short_number
+    from llama_train.paths import CONFIG_DIR
+
+    assert [short_number(x) for x in (3e14, 1e10, 1.5e12, 3.0e7, 100, 2.5)] == \
+        ["3e14", "1e10", "1.5e12", "3e7", "100", "2.5"]
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        co = compose("config", overrides=["experiment=compute_optimal", "scaling.flops=3e14"])
+        io = compose("config", overrides=["experiment=inference_optimal", "scaling.flops=1e13",
+                                          "scaling.inference_tokens=3e7"])
+    assert co.trainer.output_dir == "outputs/compute_optimal/C3e14"
+    assert io.trainer.output_dir == "outputs/inference_optimal/C1e13-I3e7"
+
+
+def test_inference_optimal_cli_reproduces_sardana_without_flags(capsys):
+    """[S24] Sec. 2 (7B quality, 1e11 inference tokens -> 6B on 1.18x the data) from the plain
+    command: its default fit is the paper's, and the output says which fit it used."""
+    main(["inference-optimal", "--reference-params", "7e9", "--inference-tokens", "1e11",
+          "--json"])
+    res = json.loads(capsys.readouterr().out)
+    assert res["fit"]["name"] == "sardana"
+    assert res["n_params"] == pytest.approx(6e9, rel=0.01)
+    assert res["token_ratio"] == pytest.approx(1.18, abs=0.005)
+    main(["inference-optimal", "--reference-params", "7e9", "--inference-tokens", "1e11"])
+    assert "fit: sardana  E=1.69" in capsys.readouterr().out
 
 
 def test_plan_experiment_leaves_its_inputs_alone():

@@ -280,11 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def common(p: argparse.ArgumentParser, fit: bool = True) -> None:
+    def common(p: argparse.ArgumentParser, fit: Optional[str] = "chinchilla") -> None:
         p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
         if fit:
-            p.add_argument("--fit", default="chinchilla",
-                           help=f"loss-law constants: {fits}; or a YAML file with E, A, B, alpha, beta")
+            p.add_argument("--fit", default=fit,
+                           help=f"loss-law constants (default {fit}): {fits}; or a YAML file with "
+                                f"E, A, B, alpha, beta")
 
     p = sub.add_parser("compute-optimal", help="loss-optimal N, D for a training budget (Hoffmann et al. 2022)")
     p.add_argument("--flops", type=_float, required=True, help="training budget C in FLOPs (C = 6 N D)")
@@ -297,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-tokens", type=_float, help="... trained on this many tokens (default: compute-optimal)")
     p.add_argument("--loss", type=float, help="target quality as a predicted loss")
     p.add_argument("--inference-tokens", type=_float, required=True, help="lifetime inference tokens D_inf")
-    common(p)
+    # Sardana et al.'s own constants, so their worked figures come out without a flag
+    common(p, fit="sardana")
     p.set_defaults(func=_cmd_inference_optimal)
 
     p = sub.add_parser("model-info", help="params, FLOPs/token, ZeRO model-state and activation memory of a model")

@@ -288,12 +288,15 @@ class ExperimentPlan:
     model: "ModelArgs"  # the shape chosen for n_params
     max_steps: int
     warmup_steps: int
+    fit: str = "chinchilla"  # the loss law that chose N and D (LossLaw.name)
+    count: str = "total"  # which parameter count N is
 
     def describe(self) -> str:
         """One line for the log."""
         m = self.model
-        return (f"{self.mode}: C={self.flops:.3g} FLOPs -> N={self.n_params:.3g} params (dim {m.dim}, "
-                f"{m.n_layers} layers, {m.n_heads} heads), D={self.n_tokens:.3g} tokens, {self.max_steps} steps")
+        return (f"{self.mode} (fit {self.fit}): C={self.flops:.3g} FLOPs -> N={self.n_params:.3g} "
+                f"{self.count} params (dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads), "
+                f"D={self.n_tokens:.3g} tokens, {self.max_steps} steps")
 
 
 def plan_experiment(
@@ -312,6 +315,7 @@ def plan_experiment(
     if s.flops is None or s.flops <= 0:
         raise ConfigError(f"scaling.mode={s.mode} needs scaling.flops > 0 (the training budget C).")
     vocab = s.vocab_size or model.vocab_size
+    fit = load_fit(s.fit).name if s.mode != "fixed" else "none (fixed N)"
     if s.mode == "compute_optimal":
         plan = compute_optimal(s.flops, fit=s.fit)
     elif s.mode == "inference_optimal":
@@ -322,10 +326,18 @@ def plan_experiment(
         if not s.params or s.params <= 0:
             raise ConfigError("scaling.mode=fixed needs scaling.params > 0.")
         plan = {"n_params": s.params, "n_tokens": s.flops / (6 * s.params)}
-    # 5%: below ~1M parameters the shape grid (dim 64, whole layers) is coarse
-    shape = shape_for_params(plan["n_params"], vocab_size=vocab, max_seq_len=max(seq_len, model.max_seq_len),
-                             tolerance=0.05)
+    try:  # the default 5%: below ~1M parameters the shape grid (dim 64, whole layers) is coarse
+        shape = shape_for_params(plan["n_params"], vocab_size=vocab,
+                                 max_seq_len=max(seq_len, model.max_seq_len), count=s.count,
+                                 tie_embeddings=model.tie_embeddings, tolerance=s.tolerance)
+    except ScalingError as e:
+        raise ConfigError(
+            f"scaling.mode={s.mode} scaling.flops={s.flops:.3g}: {e}. As config keys: "
+            f"scaling.tolerance (now {s.tolerance}), scaling.count=non_embedding (N without the "
+            f"embeddings), model.tie_embeddings=true, a smaller scaling.vocab_size / "
+            f"model.vocab_size, or a larger scaling.flops.") from None
     max_steps = max(1, math.ceil(plan["n_tokens"] / tokens_per_step))
     return ExperimentPlan(mode=s.mode, flops=float(s.flops), n_params=float(plan["n_params"]),
                           n_tokens=float(plan["n_tokens"]), model=shape, max_steps=max_steps,
-                          warmup_steps=min(warmup_steps, max(1, max_steps // 10)))
+                          warmup_steps=min(warmup_steps, max(1, max_steps // 10)), fit=fit,
+                          count=s.count)
