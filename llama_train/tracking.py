@@ -1,38 +1,58 @@
-"""Metrics and experiment tracking: ``metrics.jsonl`` always, W&B when enabled. Rank 0 only.
+"""Metrics and experiment tracking: ``metrics.jsonl`` always, W&B and TensorBoard when enabled.
+Rank 0 only.
 
 This is the one place that decides which rank writes; the training loop calls it on every rank.
 
 ``metrics.jsonl`` holds one line per logged step of the run as it finally went, plus ``event``
-lines (checkpoint, resume, skipped_step, spike, rollback). Its length at each checkpoint travels
-in the checkpoint, so a resume cuts the file back to exactly what it was then, and a rollback
-cuts it back but keeps the events that explain why. W&B gets the same records against a ``step``
-axis of its own (steps may repeat after a rollback; W&B's own step counter never goes back).
+lines (checkpoint, resume, skipped_step, spike, rollback, ...); every line has the wall-clock
+``time`` it was written (unix seconds). Its length at each checkpoint travels in the checkpoint,
+so a resume cuts the file back to exactly what it was then, and a rollback cuts it back but keeps
+the events that explain why. W&B gets the same records against a ``step`` axis of its own (steps
+may repeat after a rollback; W&B's own step counter never goes back). TensorBoard gets the same
+scalars against ``step``; a resume or rollback opens a new event file with ``purge_step`` so
+TensorBoard hides what the abandoned steps wrote (docs/tracking.md).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import netrc
 import os
 import secrets
+import shlex
 import string
+import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
+from urllib.parse import urlsplit
 
-from llama_train.config import TrackingConfig
+from llama_train.config import ConfigError, TrackingConfig
 from llama_train.util import jsonable
 
 log = logging.getLogger("llama_train")
 
 
+# .netrc machines a W&B key may be stored under: wandb < 0.30's default server, and the default
+# of newer ones (wandb 0.31's `wandb login` writes the key for its base URL, by default
+# https://api.forge.coreweave.com); WANDB_BASE_URL's host is added for a server of one's own.
+WANDB_NETRC_HOSTS = ("api.wandb.ai", "api.forge.coreweave.com")
+
+
 def wandb_api_key_present() -> bool:
+    """Whether W&B would find an API key: ``WANDB_API_KEY``, or a .netrc entry (``$NETRC``,
+    else ``~/.netrc``) for one of the hosts above. Decides ``tracking.wandb.mode: null``."""
     if os.environ.get("WANDB_API_KEY"):
         return True
+    hosts = list(WANDB_NETRC_HOSTS)
+    if os.environ.get("WANDB_BASE_URL"):
+        hosts.append(urlsplit(os.environ["WANDB_BASE_URL"]).netloc)
     try:
-        return netrc.netrc().authenticators("api.wandb.ai") is not None
+        found = netrc.netrc(os.environ.get("NETRC") or os.path.expanduser("~/.netrc"))
     except (FileNotFoundError, netrc.NetrcParseError, OSError):
         return False
+    return any(found.authenticators(h) is not None for h in hosts if h)
 
 
 def resolve_wandb_mode(mode: Optional[str]) -> str:
@@ -41,9 +61,36 @@ def resolve_wandb_mode(mode: Optional[str]) -> str:
     return "online" if wandb_api_key_present() else "offline"
 
 
+def offline_run_dirs(wandb_dir: Path, run_id: str) -> List[Path]:
+    """Every offline directory W&B wrote for ``run_id`` under ``wandb_dir`` (``<dir>/wandb``),
+    oldest first. Each start of the run (the first and every resume) adds one:
+    ``offline-run-<YYYYMMDD_HHMMSS>-<id>``, with ``-1``, ``-2``... when two start in the same
+    second. Matched by the ``run-<id>.wandb`` file inside, which names the run exactly."""
+    dirs = [p.parent for p in Path(wandb_dir).glob(f"offline-run-*/run-{run_id}.wandb")]
+    return sorted(dirs, key=lambda d: d.name)
+
+
+def wandb_sync_command(dirs: List[Path]) -> str:
+    """One ``wandb sync`` command for all of a run's offline directories (checked with wandb
+    0.31: it takes several run directories and uploads those of one run in order of start
+    time; ``--sync-all`` no longer exists)."""
+    return "wandb sync " + " ".join(shlex.quote(str(Path(d).resolve())) for d in dirs)
+
+
+def _number(v: Any) -> Optional[float]:
+    """A value TensorBoard can plot (ints, floats, NaN included), else None. metrics.jsonl's
+    "nan", "inf" and "-inf" (util.jsonable) count as the numbers they stand for."""
+    if isinstance(v, str) and v in ("nan", "inf", "-inf"):
+        return float(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v)
+
+
 class Tracker:
-    """``log(step, metrics)`` appends a JSON line and forwards to W&B; ``event`` records
-    checkpoints, resumes and rollbacks. Its state (the W&B run id) travels in checkpoints."""
+    """``log(step, metrics)`` appends a JSON line and forwards to W&B and TensorBoard; ``event``
+    records checkpoints, resumes and rollbacks. Its state (the W&B run id, the file's length)
+    travels in checkpoints."""
 
     def __init__(self, cfg: TrackingConfig, output_dir: str, rank: int,
                  run_config: Optional[Dict[str, Any]] = None):
@@ -54,9 +101,18 @@ class Tracker:
         self.run_config = run_config or {}
         self.run_id: Optional[str] = None
         self._wandb = None
+        self.wandb_dir: Optional[Path] = None  # where W&B puts its run directories
         self.mode = resolve_wandb_mode(cfg.wandb.mode)
         self.lines = 0  # complete lines in metrics.jsonl
         self._resume_lines: Optional[int] = None
+        self.tb_dir = Path(cfg.tensorboard.dir or self.output_dir / "tensorboard")
+        self._tb = None  # torch.utils.tensorboard.SummaryWriter on rank 0
+        if cfg.tensorboard.enabled:  # every rank checks, so all of them stop together
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+            except ImportError as e:
+                raise ConfigError(f"tracking.tensorboard.enabled=true needs the tensorboard "
+                                  f"package ({e}); pip install tensorboard") from None
 
     # -- state carried in checkpoints -----------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -85,8 +141,14 @@ class Tracker:
             rows = self._read()
             self._write([line for line, r in rows if r is not None and r.get("step", 0)
                          <= resume_step])
+        if self.cfg.tensorboard.enabled:
+            # fresh: hide whatever an earlier start left in the directory; resume: what the run
+            # that died wrote after the checkpoint
+            self._open_tensorboard(0 if resume_step is None else resume_step + 1)
         if self.mode != "disabled":
             self._start_wandb(resume=resume_step is not None)
+        if self._wandb is not None or self._tb is not None:
+            atexit.register(self._at_exit)  # an error before finish(): flush, say how to sync
 
     def rewind(self, lines: Optional[int], step: int) -> None:
         """After a rollback to a checkpoint: drop what was logged after it except event lines
@@ -97,8 +159,10 @@ class Tracker:
             rows = self._read()
             self._write([line for line, r in rows if r is not None
                          and (r.get("step", 0) <= step or "event" in r)])
-            return
-        self._cut(lines, keep=lambda r: "event" in r)
+        else:
+            self._cut(lines, keep=lambda r: "event" in r)
+        if self._tb is not None:
+            self._open_tensorboard(step + 1)
 
     def _read(self):
         if not self.metrics_path.exists():
@@ -129,6 +193,23 @@ class Tracker:
         os.replace(tmp, self.metrics_path)
         self.lines = len(lines)
 
+    def _open_tensorboard(self, purge_step: int) -> None:
+        """A new event file whose first record tells TensorBoard to hide every earlier record
+        at ``purge_step`` or later (SummaryWriter's ``purge_step``: a SessionLog.START). Then
+        the events metrics.jsonl kept at those steps (a rollback's spike, skipped steps, the
+        rollback itself) are written again, so TensorBoard shows what the file shows."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        if self._tb is not None:
+            self._tb.close()
+        self.tb_dir.mkdir(parents=True, exist_ok=True)
+        _after_newest_event_file(self.tb_dir)
+        self._tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge_step)
+        for _, r in self._read():
+            if r is not None and "event" in r and r.get("step", 0) >= purge_step:
+                fields = {k: v for k, v in r.items() if k not in ("step", "time", "event")}
+                self._tb_event(r["step"], r["event"], fields, r.get("time"))
+
     def _start_wandb(self, resume: bool) -> None:
         import wandb
 
@@ -151,6 +232,10 @@ class Tracker:
             config=self.run_config,
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
         )
+        try:  # W&B's own choice (<dir>/wandb, or <dir>/.wandb where that exists)
+            self.wandb_dir = Path(self._wandb.settings.wandb_dir)
+        except (AttributeError, TypeError):
+            self.wandb_dir = wandb_dir / "wandb"
         # Our step can repeat (resume, rollback); W&B's own must grow: plot against "step".
         self._wandb.define_metric("step")
         self._wandb.define_metric("*", step_metric="step")
@@ -160,14 +245,23 @@ class Tracker:
     def log(self, step: int, metrics: Dict[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: jsonable(v) for k, v in metrics.items()}}
+        now = time.time()
+        record = {"step": step, "time": round(now, 3),
+                  **{k: jsonable(v) for k, v in metrics.items()}}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
         self.lines += 1
-        if self._wandb is not None and "event" not in metrics:
+        if "event" in metrics:
+            return  # event() sends its own counters
+        if self._wandb is not None:
             self._wandb.log({"step": step, **{k: v for k, v in metrics.items()
                                               if isinstance(v, (int, float))}})
+        if self._tb is not None:
+            for k, v in metrics.items():
+                x = _number(v)
+                if x is not None:
+                    self._tb.add_scalar(k, x, step, walltime=now)
 
     def event(self, step: int, name: str, **fields: Any) -> None:
         if not self.enabled:
@@ -177,9 +271,73 @@ class Tracker:
             self._wandb.log({"step": step, f"event/{name}": 1,
                              **{f"event/{name}/{k}": v for k, v in fields.items()
                                 if isinstance(v, (int, float)) and not isinstance(v, bool)}})
+        if self._tb is not None:
+            self._tb_event(step, name, fields, None)
+            if name == "checkpoint":
+                self._tb.flush()  # on disk with the checkpoint: a resume purges only later steps
         log.info("[step %d] %s %s", step, name, fields or "")
 
+    def _tb_event(self, step: int, name: str, fields: Dict[str, Any],
+                  walltime: Optional[float]) -> None:
+        """The same tags as W&B's: ``event/<name>`` = 1 and ``event/<name>/<field>``."""
+        self._tb.add_scalar(f"event/{name}", 1.0, step, walltime=walltime)
+        for k, v in fields.items():
+            x = _number(v)
+            if x is not None:
+                self._tb.add_scalar(f"event/{name}/{k}", x, step, walltime=walltime)
+
+    # -- the end ---------------------------------------------------------------------------
+    def sync_hint(self) -> Optional[str]:
+        """For an offline W&B run: which directories hold it and the one command that uploads
+        them all (None for online or disabled runs, or when no directory is found)."""
+        if self.mode != "offline" or self.run_id is None or self.wandb_dir is None:
+            return None
+        dirs = offline_run_dirs(self.wandb_dir, self.run_id)
+        if not dirs:
+            return None
+        why = ("tracking.wandb.mode=offline" if self.cfg.wandb.mode == "offline"
+               else "no W&B API key was found")
+        many = (f"{len(dirs)} directories, one per start of the run (each resume adds one); "
+                f"wandb sync uploads them in order into the one run"
+                if len(dirs) > 1 else "1 directory; each resume adds another")
+        return (f"wandb: run {self.run_id} was logged offline ({why}): {many}. Upload it "
+                f"(network access and a W&B API key needed) with:\n  {wandb_sync_command(dirs)}")
+
     def finish(self) -> None:
+        """Close the sinks. An offline W&B run ends by saying how to upload it."""
+        atexit.unregister(self._at_exit)
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
         if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
+            run, self._wandb = self._wandb, None
+            run.finish()
+            hint = self.sync_hint()
+            if hint:
+                log.info(hint)
+
+    def _at_exit(self) -> None:
+        """The process ends without finish() (an error): keep what TensorBoard buffered and
+        print the sync command. W&B's own exit hook, which runs after this one, closes its run."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            hint = self.sync_hint()
+            if hint:
+                log.warning("the run stopped before its end; what it logged so far: %s", hint)
+
+
+def _after_newest_event_file(d: Path) -> None:
+    """TensorBoard reads a directory's event files in name order, and a name starts with its
+    creation second: a file created in the same second as the previous one could sort before
+    it (its purge would then come first). Waits (< 1 s, rarely: rollbacks) for the next second."""
+    newest = 0
+    for p in d.glob("events.out.tfevents.*"):
+        try:
+            newest = max(newest, int(p.name.split(".")[3]))
+        except (IndexError, ValueError):
+            continue
+    now = time.time()
+    if int(now) == newest:
+        time.sleep(newest + 1 - now + 0.01)

@@ -141,9 +141,10 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.ckpts = CheckpointManager(t.output_dir, t.keep_last, t.verify_checksums, rt.rank,
                                        rt.world_size, faults)
-        wandb_dir = () if cfg.tracking.wandb.dir else ("wandb",)  # the default <output_dir>/wandb
+        run_files = (*(() if cfg.tracking.wandb.dir else ("wandb",)),  # default <output_dir>/wandb
+                     *(() if cfg.tracking.tensorboard.dir else ("tensorboard",)))
         self.resume_from = self.ckpts.resolve_resume(  # verified before unpickling
-            t.resume, t.on_existing, cfg.tracking.metrics_file, wandb_dir)
+            t.resume, t.on_existing, cfg.tracking.metrics_file, run_files)
         self.run_config = to_container(OmegaConf.structured(cfg))
         self.config_changes: Dict[str, List[Any]] = {}
         self.universal = self._check_resume_point()
