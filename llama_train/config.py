@@ -82,6 +82,9 @@ class TrainerConfig:
     save_every: int = 100
     keep_last: int = 3
     resume: str = "auto"  # auto | never | <checkpoint path>
+    # Print the resolved plan (shape, parameters, tokens, steps, epochs, FLOPs, estimated time)
+    # and exit: no process group, no data preparation.
+    dry_run: bool = False
     # A run that starts from step 0 in an output_dir holding another history (checkpoints or
     # metrics): refuse (exit 2; exit 3 when resume=auto found only checkpoints that fail to
     # verify), archive it to <output_dir>/archive/<UTC time>/, or overwrite (delete) it.
@@ -265,10 +268,21 @@ class ScalingConfig:
     fit: str = "chinchilla"  # chinchilla | epoch | <yaml with E, A, B, alpha, beta>
     params: Optional[float] = None  # mode=fixed: train this many params on flops / (6 N) tokens
     vocab_size: Optional[int] = None  # default: model.vocab_size
+    # The planned N is this count of the chosen shape: total (Chinchilla's N, embeddings
+    # included) or non_embedding (Kaplan's; where a large vocabulary dominates a tiny model).
+    count: str = "total"
+    tolerance: float = 0.05  # how far the chosen shape's count may be from the planned N
+    # The plan's tokens over the train split: above 1 warns (repeated data), above this refuses.
+    max_epochs: float = 4.0
 
     def __post_init__(self) -> None:
         _check_choice("scaling.mode", self.mode,
                       ("none", "compute_optimal", "inference_optimal", "fixed"))
+        _check_choice("scaling.count", self.count, ("total", "non_embedding"))
+        if not 0 < self.tolerance < 1:
+            raise ConfigError(f"scaling.tolerance={self.tolerance} must be in (0, 1), e.g. 0.05.")
+        if self.max_epochs <= 0:
+            raise ConfigError(f"scaling.max_epochs={self.max_epochs} must be > 0.")
 
 
 @dataclass
@@ -286,7 +300,21 @@ class Config:
     experiment: Optional[Any] = None
 
 
+def short_number(x: Any) -> str:
+    """``3e14`` for 3.0e14 (the ``${sci:...}`` resolver: readable directory names)."""
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    if abs(v) < 1e4:
+        return f"{v:.6g}"
+    mantissa, exponent = f"{v:.6e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
 def register_configs() -> None:
+    if not OmegaConf.has_resolver("sci"):
+        OmegaConf.register_new_resolver("sci", short_number)
     cs = ConfigStore.instance()
     # The primary config extends this schema, so every group's YAML is merged onto its typed node.
     cs.store(name="llama_train_schema", node=Config)
@@ -394,7 +422,8 @@ SAFE_CHANGES = (
 )
 # Per-launch controls: not compared at all.
 LAUNCH_KEYS = ("trainer.output_dir", "trainer.resume", "trainer.steps_this_run",
-               "trainer.on_existing", "trainer.allow_config_change", "trainer.init_from")
+               "trainer.on_existing", "trainer.allow_config_change", "trainer.init_from",
+               "trainer.dry_run", "scaling.max_epochs", "scaling.tolerance")
 
 
 def _flatten(d: Any, prefix: str = "") -> dict:

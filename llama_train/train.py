@@ -82,6 +82,7 @@ def preflight(cfg: Config) -> Preflight:
     _check_one_history(cfg)
     prepared = prepare_data(cfg.data, vocab_size=cfg.model.vocab_size)
     check_compatible(prepared.meta, cfg.model.vocab_size, cfg.trainer.seq_len)
+    _check_epochs(cfg, plan, prepared.meta["splits"]["train"]["tokens"], rt.rank)
     _check_prepared_tokenizer(prepared)
     # last: a refused config or data leaves no lock file behind (prepared data is found quickly)
     if rt.rank == 0:
@@ -90,6 +91,110 @@ def preflight(cfg: Config) -> Preflight:
         lock = None
         check_not_held_by_another_job(cfg.trainer.output_dir)
     return Preflight(cfg, rt, cfg.model, plan, prepared, experiment, lock)
+
+
+def _check_epochs(cfg: Config, plan: BatchPlan, train_tokens: int, rank: int) -> float:
+    """How many times the run reads the train split: said at start; for a scaling experiment
+    (whose law assumes fresh tokens) a warning above 1 and a refusal above scaling.max_epochs."""
+    epochs = cfg.trainer.max_steps * plan.tokens_per_step / max(1, train_tokens)
+    what = (f"{cfg.trainer.max_steps} steps x {plan.tokens_per_step:,} tokens read the train split "
+            f"({train_tokens:,} tokens) {epochs:.3g} times")
+    if cfg.scaling.mode == "none" or epochs <= 1:
+        if rank == 0:
+            log.info("data: %s", what)
+        return epochs
+    s = cfg.scaling
+    if epochs > s.max_epochs:
+        raise ConfigError(
+            f"scaling.mode={s.mode}: {what}, more than scaling.max_epochs={s.max_epochs:g}. A "
+            f"scaling law's tokens are fresh tokens: lower scaling.flops, use a larger "
+            f"data.source, or raise scaling.max_epochs to accept the repetition.")
+    if rank == 0:
+        log.warning("scaling.mode=%s: %s: repeated tokens are worth less than fresh ones, so "
+                    "the loss will sit above the law's prediction (limit: scaling.max_epochs=%g)",
+                    s.mode, what, s.max_epochs)
+    return epochs
+
+
+def dry_run(cfg: Config) -> None:
+    """trainer.dry_run=true: the plan this command would train, then exit. No process group and
+    no data preparation (epochs only when the data is already prepared)."""
+    from llama_train.data import DataError, find_prepared
+    from llama_train.engine import detect_runtime
+    from llama_train.model import count_params, flops_per_token
+
+    rt = detect_runtime(cfg.trainer.device)
+    _setup_logging(rt.rank)
+    cfg, experiment = plan_experiment(cfg, rt.world_size)
+    plan = validate(cfg, rt.world_size, rt.device_type)
+    if rt.rank != 0:
+        return
+    t, m = cfg.trainer, cfg.model
+    n, fpt = count_params(m), flops_per_token(m, t.seq_len)
+    tokens = t.max_steps * plan.tokens_per_step
+    try:
+        found = find_prepared(cfg.data, vocab_size=m.vocab_size)
+    except DataError as e:
+        found, why = None, str(e)
+    else:
+        why = "not prepared yet: it would be prepared first"
+    if found is not None:
+        train_tokens = found.meta["splits"]["train"]["tokens"]
+        epochs = (f"{tokens / max(1, train_tokens):.2f} epochs of the train split "
+                  f"({train_tokens:,} tokens, {found.dir})")
+    else:
+        epochs = f"unknown ({why})"
+    seconds, how = _estimate_step_seconds(m, plan, rt, cfg.deepspeed)
+    lines = [
+        "dry run (trainer.dry_run=true): the plan, nothing started",
+        *([f"  experiment: {experiment.describe()}"] if experiment else []),
+        f"  model: dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads ({m.kv_heads} kv), vocab "
+        f"{m.vocab_size}, ffn {m.ffn_hidden_dim}",
+        f"  parameters: {n['total']:,} total, {n['non_embedding']:,} non-embedding",
+        f"  batch: {rt.world_size} rank(s) x micro {plan.micro_batch} x accum {plan.grad_accum} = "
+        f"{plan.global_batch} sequences x {t.seq_len} tokens = {plan.tokens_per_step:,} "
+        f"tokens/step",
+        f"  steps: {t.max_steps:,} (warmup {cfg.optim.warmup_steps}) = {tokens:,} tokens; "
+        f"{epochs}",
+        f"  FLOPs: {fpt:.3g}/token x {tokens:.3g} tokens = {fpt * tokens:.3g}",
+        f"  estimated time: {seconds * t.max_steps / 60:.1f} min ({seconds:.3g} s/step; {how})",
+        f"  output: {t.output_dir}",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def _estimate_step_seconds(m, plan: BatchPlan, rt, ds) -> tuple:
+    """Seconds per optimizer step on this machine: timed forward+backward passes of the model
+    (small models), else its FLOPs over a matmul peak at an assumed 40% MFU."""
+    import time
+
+    import torch
+
+    from llama_train.engine import peak_flops, resolve_precision
+    from llama_train.model import Transformer, count_params, flops_per_token
+
+    precision = resolve_precision(ds, rt.device_type)
+    if count_params(m)["total"] > 3e8:
+        per_token = flops_per_token(m, plan.seq_len)
+        peak = peak_flops(rt.device, precision)
+        return (per_token * plan.tokens_per_step / rt.world_size / (0.4 * peak),
+                f"FLOPs over this device's {peak:.3g} FLOP/s matmul peak at an assumed 40% MFU")
+    model = Transformer(m, device=rt.device, seed=0)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    x = torch.randint(0, m.vocab_size, (plan.micro_batch, plan.seq_len), device=rt.device)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        _, loss = model(x, x)
+        loss.backward()
+        if rt.device_type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    micro = sorted(times[1:])[0]
+    return (micro * plan.grad_accum,
+            f"forward+backward of one micro-batch timed here x {plan.grad_accum} per step; the "
+            f"optimizer and communication come on top")
 
 
 def _check_one_history(cfg: Config) -> None:
@@ -219,6 +324,9 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
     try:
         cfg = load_config(dcfg)
         cfg, own_dir = sweep_job_dir(cfg, dcfg)
+        if cfg.trainer.dry_run:
+            dry_run(cfg)
+            return None
         pre = preflight(cfg)
         if own_dir and pre.rt.rank == 0:
             log.info("--multirun job %s trains in its own trainer.output_dir=%s", own_dir,
@@ -358,9 +466,9 @@ def main(hooks: Sequence[Hook] = ()) -> None:
     except Exception as e:
         msg = explain_composition_error(e)
         if msg is None and isinstance(e, OSError) and not in_job:
-            # Hydra creates its run dir (hydra.run.dir: trainer.output_dir) before the job
-            msg = (f"trainer.output_dir cannot be created: {e.strerror or e} ({e.filename}). "
-                   f"Point trainer.output_dir at a directory path you can write.")
+            # Hydra creates its own directories (a --multirun sweep's) before a job starts
+            msg = (f"Hydra cannot create {e.filename}: {e.strerror or e}. Point hydra.sweep.dir "
+                   f"at a directory path you can write.")
         if msg is None:
             raise
         _fail(EXIT_BAD_INPUT, ConfigError(msg))

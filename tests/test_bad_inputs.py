@@ -127,6 +127,9 @@ def _cases(work: Path, out: Path):
         ("explicit resume of another run's checkpoint with another seed",
          [f"trainer.resume={step6}", "trainer.seed=7", *elsewhere], 2, ["trainer.seed"]),
         # -- experiments --
+        ("a plan that reads the data ~9 times", ["experiment=compute_optimal",
+                                                  "scaling.flops=3e13", *elsewhere], 2,
+         ["times, more than scaling.max_epochs=4", "lower scaling.flops"]),
         ("experiment without val split",
          ["experiment=compute_optimal", "scaling.flops=1e12", "data.val_fraction=0",
           *elsewhere], 2, ["data.val_fraction"]),
@@ -166,6 +169,26 @@ def test_bad_input_table(finished, monkeypatch, capsys):
     assert not failures, "\n".join(failures)
     assert tree(out) == before, "a refused command changed the finished run's files"
     assert not (work / "fresh" / "checkpoints").exists()
+
+
+def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, monkeypatch, capsys):
+    """trainer.dry_run=true: shape, parameters, tokens, steps, epochs, FLOPs and a time estimate,
+    then exit 0: no process group, no output directory, no data preparation."""
+    import torch.distributed as dist
+
+    out = tmp_path / "never"
+    code, text = llama_train([*TINY, f"trainer.output_dir={out}", "experiment=compute_optimal",
+                              "scaling.flops=3e13", "trainer.dry_run=true"], monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    for needle in ("dry run (trainer.dry_run=true)", "compute_optimal (fit chinchilla): C=3e+13",
+                   "parameters: ", "tokens/step", "steps: 53,", "epochs of the train split",
+                   "FLOPs: ", "estimated time: ", f"output: {out}"):
+        assert needle in text, (needle, text[-3000:])
+    assert not out.exists() and not dist.is_initialized()
+    # data that is not prepared yet is not prepared by a dry run
+    code, text = llama_train([*TINY, f"trainer.output_dir={out}", "trainer.dry_run=true",
+                              "data.max_documents=7"], monkeypatch, capsys)
+    assert code == 0 and "unknown (not prepared yet" in text, text[-3000:]
 
 
 def test_warmup_past_the_end_is_said(tmp_path, monkeypatch, capsys):

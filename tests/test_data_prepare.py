@@ -298,6 +298,114 @@ def test_missing_column_lists_available(files, tok_path):
         prepare_data(cfg(source=files["parquet"], tokenizer=tok_path), VOCAB)
 
 
+BINARY = bytes(range(256)) * 12  # the first byte that is not UTF-8: 0x80, byte 128, line 2
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_binary_file_is_named_with_its_offset(tmp_path, suffix, streaming):
+    """Not "DatasetGenerationError: An error occurred while generating the dataset": the file,
+    the byte and line, data.source and what to do, before any tokenizer is trained."""
+    bad = tmp_path / f"bin{suffix}"
+    bad.write_bytes(BINARY)
+    out = tmp_path / "prepared"
+    with pytest.raises(DataError) as e:
+        prepare_data(cfg(source=str(bad), streaming=streaming, prepared_dir=str(out)), VOCAB)
+    msg = str(e.value)
+    assert f"data.source='{bad}'" in msg and f"{bad} is not UTF-8 text (byte 128, line 2:" in msg
+    assert "remove it from data.source" in msg and "\n" not in msg
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_llama_train_on_a_binary_source_exits_2_with_one_line(tmp_path, capsys):
+    """The trainer's entry point: exit status 2 and the message, no traceback."""
+    from hydra import compose, initialize_config_dir
+
+    from helpers import TINY
+    from llama_train.paths import CONFIG_DIR
+    from llama_train.train import run_job
+
+    bad = tmp_path / "bin.txt"
+    bad.write_bytes(BINARY)
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        dcfg = compose("config", overrides=[*TINY, f"data.source={bad}",
+                                            f"trainer.output_dir={tmp_path / 'out'}"])
+    with pytest.raises(SystemExit) as e:
+        run_job(dcfg)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("llama-train: error: data.source=") and f"{bad} is not UTF-8" in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_glob_names_the_one_binary_file(tmp_path, suffix, streaming):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for name in ("a", "b", "c", "d"):
+        text = f"document {name} with a few ordinary words"
+        (d / f"{name}{suffix}").write_text(json.dumps({"text": text}) + "\n" if suffix == ".jsonl" else text)
+    bad = d / f"c{suffix}"
+    good_line = json.dumps({"text": "fine"}) + "\n" if suffix == ".jsonl" else "fine\n"
+    bad.write_bytes(good_line.encode() * 2 + "caf\xe9".encode("latin-1") + b"\n")  # latin-1, not UTF-8
+    with pytest.raises(DataError) as e:
+        prepare_data(cfg(source=str(d / f"*{suffix}"), streaming=streaming), VOCAB)
+    msg = str(e.value)
+    assert f"{bad} is not UTF-8 text (byte {2 * len(good_line) + 3}, line 3" in msg, msg
+    assert all(f"{d / n}{suffix}" not in msg for n in "abd") and "iconv" in msg
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_jsonl_row_without_the_text_column_is_named(tmp_path, streaming, tok_path):
+    """A row that lacks the column is an error naming file, line and key; a null or "" text
+    is an empty document, skipped and counted. Checked before the tokenizer trains (the first
+    case) and while encoding with a given tokenizer (the second)."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text('{"text": "ok, a document with words"}\n\n{"text": null}\n{"text": ""}\n'
+                   '{"body": "no text"}\n{"text": "more words"}\n')
+    out = tmp_path / "prepared"
+    for tok in (None, tok_path):
+        with pytest.raises(DataError) as e:
+            prepare_data(cfg(source=str(src), streaming=streaming, tokenizer=tok, prepared_dir=str(out)), VOCAB)
+        msg = str(e.value)
+        assert f"{src} line 5 has no 'text' key" in msg and "data.text_column='text'" in msg
+        assert "its keys: body" in msg and "too few" not in msg and "SentencePiece" not in msg
+        assert not out.exists()
+    # a whole file of a glob without the column (the json reader then fails on its columns)
+    d = tmp_path / "glob"
+    d.mkdir()
+    (d / "a.jsonl").write_text('{"text": "first file"}\n')
+    (d / "b.jsonl").write_text('{"text": "second file"}\n{"content": "x", "id": 1}\n')
+    with pytest.raises(DataError, match=rf"{d / 'b.jsonl'} line 2 has no 'text' key .*its keys: content, id"):
+        prepare_data(cfg(source=str(d / "*.jsonl"), streaming=streaming, tokenizer=tok_path), VOCAB)
+    # null and "" (and blank lines, which are no rows) are fine: counted as empty and skipped
+    src.write_text('{"text": "ok, a document"}\n\n{"text": null}\n{"text": ""}\n{"text": "more"}\n')
+    prep = prepare_data(cfg(source=str(src), streaming=streaming, tokenizer=tok_path, val_fraction=0.0), VOCAB)
+    assert prep.meta["documents"] == {"read": 4, "empty_skipped": 2, "kept": 2}
+
+
+def test_unreadable_json_and_parquet_files_are_named(tmp_path, tok_path):
+    arr = tmp_path / "docs.json"
+    arr.write_text(json.dumps([{"text": "one"}, {"text": None}, {"title": "two"}], indent=1))
+    with pytest.raises(DataError, match=rf"{arr} element 2 has no 'text' key .*its keys: title"):
+        prepare_data(cfg(source=str(arr), tokenizer=tok_path), VOCAB)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "unterminated}\n')
+    with pytest.raises(DataError, match=rf"{bad} line 2 is not valid JSON \(.*\)\. Each line"):
+        prepare_data(cfg(source=str(bad), tokenizer=tok_path), VOCAB)
+    d = tmp_path / "glob"  # the json reader takes its columns from the first file
+    d.mkdir()
+    (d / "a.jsonl").write_text('{"text": "first"}\n')
+    (d / "b.jsonl").write_text('{"text": "second", "id": 2}\n')
+    with pytest.raises(DataError, match=rf"{d / 'b.jsonl'} line 1 has column\(s\) \['id'\] that the first file"):
+        prepare_data(cfg(source=str(d / "*.jsonl"), tokenizer=tok_path), VOCAB)
+    pq = tmp_path / "x.parquet"
+    pq.write_bytes(BINARY)
+    with pytest.raises(DataError, match=rf"{pq} is not a readable parquet file \(ArrowInvalid"):
+        prepare_data(cfg(source=str(pq), tokenizer=tok_path), VOCAB)
+
+
 def test_empty_dataset_and_all_empty_documents(tmp_path, tok_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(DataError, match="no documents"):
@@ -397,6 +505,36 @@ def test_packed_tokens_slices_across_shards(files, tok_path):
     assert len(pt[5:5]) == 0
 
 
+def test_prepare_records_a_crc32_per_block_of_every_shard(tmp_path, files, tok_path, monkeypatch):
+    """Beside each shard, its .crc32 file: the crc32 of every block (the last one shorter) as
+    uint32 LE, whose sha256 meta.json records, so a reader checks what it reads without hashing
+    whole shards. meta.json stays version 1 (the new keys are optional): the settings
+    fingerprint, and so the automatic directory name, does not change."""
+    import zlib
+
+    from llama_train.data import prepare as prepare_module
+
+    assert prepare_module.BLOCK_BYTES == 1 << 18
+    d = prepare_data(cfg(source=files["jsonl"], tokenizer=tok_path), VOCAB).dir
+    monkeypatch.setattr(prepare_module, "BLOCK_BYTES", 256)
+    prep = prepare_data(cfg(source=files["jsonl"], tokenizer=tok_path, shard_tokens=1000,
+                            prepared_dir=str(tmp_path / "small_blocks")), VOCAB)
+    meta = prep.meta
+    assert meta["version"] == 1 and meta["block_checksums"] == {"algorithm": "crc32", "block_bytes": 256}
+    assert read_meta(d)["fingerprint"] == meta["fingerprint"] and read_meta(prep.dir) == meta
+    assert meta["timing_s"]["block_checksums"] >= 0
+    partial = 0
+    for split in meta["splits"].values():
+        for shard in split["shards"]:
+            data = (Path(prep.dir) / shard["file"]).read_bytes()
+            crc = Path(prep.dir) / shard["block_crc32"]["file"]
+            assert crc.name == shard["file"].replace(".bin", ".crc32")
+            assert hashlib.sha256(crc.read_bytes()).hexdigest() == shard["block_crc32"]["sha256"]
+            assert np.fromfile(crc, "<u4").tolist() == [zlib.crc32(data[i : i + 256]) for i in range(0, len(data), 256)]
+            partial += len(data) % 256 != 0
+    assert len(meta["splits"]["train"]["shards"]) > 3 and partial >= 2  # 2000-byte shards: 7 blocks + 208 bytes
+
+
 # --- CLI and configs --------------------------------------------------------------------------
 def test_cli_prepare_info_and_errors(tmp_path, files, tok_path, capsys):
     out = tmp_path / "cli"
@@ -406,7 +544,9 @@ def test_cli_prepare_info_and_errors(tmp_path, files, tok_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["dir"] == str(out) and summary["created"] and summary["tokens"]["train"] > 0
     assert cli_main(["info", str(out), "--verify"]) == 0
-    assert json.loads(capsys.readouterr().out)["splits"]["train"]["tokens"] == summary["tokens"]["train"]
+    info = json.loads(capsys.readouterr().out)
+    assert info["splits"]["train"]["tokens"] == summary["tokens"]["train"]
+    assert info["block_checksums"] == {"algorithm": "crc32", "block_bytes": 1 << 18}
     rc = cli_main(["prepare", "--source", str(tmp_path / "missing.txt"), "--vocab-size", "512"])
     assert rc == 2 and "no such file" in capsys.readouterr().err
     rc = cli_main(["train-tokenizer", "--source", files["jsonl"], "--vocab-size", "400",

@@ -34,7 +34,7 @@ from helpers import BIN, TINY, free_port, spawn, tail, train, wait_for
 
 TIMEOUT_S = 10
 BUDGET_S = TIMEOUT_S + 30
-PARALLEL = int(os.environ.get("LLAMA_TRAIN_HANG_PARALLEL", "3"))
+PARALLEL = int(os.environ.get("LLAMA_TRAIN_HANG_PARALLEL", "4"))
 WORKER = Path(__file__).resolve().parent / "workers" / "hang_worker.py"
 
 

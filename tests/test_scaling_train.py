@@ -35,10 +35,10 @@ def test_experiment_sets_shape_and_steps(experiment, extra):
     cfg, exp = plan_experiment(given, 1)
     assert given.trainer.max_steps != cfg.trainer.max_steps  # the plan is a new config
     assert exp.max_steps == cfg.trainer.max_steps and exp.model == cfg.model
-    plan = (compute_optimal(3e14) if experiment == "compute_optimal"
-            else inference_optimal(3e14, 1e9))
-    n = count_params(cfg.model)["total"]
-    assert abs(n - plan["n_params"]) / plan["n_params"] < 0.05
+    plan = (compute_optimal(3e14) if experiment == "compute_optimal"  # each with its yaml's fit
+            else inference_optimal(3e14, 1e9, fit="sardana"))
+    n = count_params(cfg.model)[cfg.scaling.count]  # the yaml's: non_embedding at CPU scale
+    assert abs(n - plan["n_params"]) / plan["n_params"] < cfg.scaling.tolerance
     tokens_per_step = resolve_batch(cfg.trainer, 1).tokens_per_step
     assert cfg.trainer.max_steps == math.ceil(plan["n_tokens"] / tokens_per_step)
     assert cfg.optim.warmup_steps <= cfg.trainer.max_steps
@@ -62,8 +62,10 @@ def test_isoflop_multirun_and_fit(tmp_path):
     cmd = [sys.executable, "-m", "llama_train.train", "--multirun", "experiment=isoflop",
            *[o for o in TINY if not o.startswith(("model=", "trainer.max_steps"))],
            "model.vocab_size=2048", "scaling.flops=2e10", "scaling.params=5e5,1e6",
-           f"hydra.sweep.dir={sweep}"]
+           f"trainer.output_dir='{sweep}/C${{sci:${{scaling.flops}}}}-N${{sci:${{scaling.params}}}}'",
+           f"hydra.sweep.dir={tmp_path / 'hydra'}"]
     run(cmd, tmp_path / "sweep.log", timeout=600)
+    assert sorted(p.name for p in sweep.iterdir()) == ["C2e10-N1e6", "C2e10-N5e5"]
     infos = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/run_info.json"))]
     assert len(infos) == 2
     assert all(i["final_val_loss"] and i["flop_budget"] == 2e10 for i in infos)

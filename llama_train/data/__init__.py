@@ -19,6 +19,7 @@ _EXPORTS = {
     "Tokenizer": ".tokenizer",
     "train_tokenizer": ".tokenizer",
     "prepare_data": ".prepare",
+    "find_prepared": ".prepare",
     "PreparedData": ".prepare",
     "PackedTokens": ".packed",
     "read_meta": ".meta",
@@ -37,7 +38,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from .loader import TrainLoader, val_batches
     from .meta import check_compatible, read_meta
     from .packed import PackedTokens
-    from .prepare import PreparedData, prepare_data
+    from .prepare import PreparedData, find_prepared, prepare_data
     from .tokenizer import Tokenizer, train_tokenizer
 
 

@@ -125,7 +125,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     assert meta is not None
     print(json.dumps({"dir": args.dir, "vocab_size": meta["vocab_size"], "dtype": meta["dtype"],
                       "tokenizer_sha256": meta["tokenizer"]["sha256"], "source": meta["source"]["source"],
-                      "splits": splits, "verified_sha256": bool(args.verify)}, indent=1))
+                      "splits": splits, "verified_sha256": bool(args.verify),
+                      # None: prepared before block checksums; each shard is then checked whole
+                      "block_checksums": meta.get("block_checksums")}, indent=1))
     return 0
 
 
@@ -153,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="describe (and with --verify, checksum) a prepared directory")
     i.add_argument("dir")
-    i.add_argument("--verify", action="store_true", help="check every shard's sha256")
+    i.add_argument("--verify", action="store_true",
+                   help="check every shard's sha256 (and its block checksum file's)")
     i.set_defaults(func=_cmd_info)
     return p
 

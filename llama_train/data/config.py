@@ -59,7 +59,10 @@ class DataConfig:
     max_documents: Optional[int] = None
     """Read at most this many documents of the source (quick experiments)."""
     verify: bool = False
-    """prepare_data checks every shard's sha256 when it finds existing data (reads it all)."""
+    """prepare_data checks every shard's sha256 up front when it finds existing data (reads it
+    all). Without it every block of a shard is still checked, lazily: its crc32, by each
+    process that reads it, the first time it does, before any of its tokens is used
+    (PackedTokens; data prepared before block checksums: each shard's sha256 instead)."""
 
     def __post_init__(self) -> None:
         self.validate()

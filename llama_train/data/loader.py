@@ -245,7 +245,10 @@ class TrainLoader:
         while True:
             if gen != self._generation:  # checked before next(): never steal the new iterator's batch
                 raise RuntimeError("TrainLoader was repositioned or re-iterated; use the new iterator")
-            batch = next(it)
+            try:
+                batch = next(it)
+            except DataError as e:  # e.g. a shard failing its sha256 check in a worker
+                raise _unwrap_worker_error(e) from None
             count += 1
             if count % per_step == 0:  # this micro-batch completes a global batch
                 self.consumed_samples = start + (count // per_step) * self.global_batch
@@ -347,6 +350,20 @@ def val_batches(prepared_dir, seq_len: int, batch_size: int, max_batches: Option
                 dp_rank: int = 0, dp_world: int = 1) -> ValBatches:
     """Validation (x, y) batches for one rank; see ValBatches."""
     return ValBatches(prepared_dir, seq_len, batch_size, max_batches, dp_rank, dp_world)
+
+
+def _unwrap_worker_error(e: DataError) -> DataError:
+    """torch re-raises a DataLoader worker's exception as the same type whose message is the
+    worker's whole traceback; give back the worker's own one-line message (the trainer prints
+    it as the error, exit 2), saying which worker raised it."""
+    msg = str(e)
+    head, _, rest = msg.partition("\n")
+    tag = f"{DataError.__module__}.{DataError.__qualname__}: "
+    at = rest.rfind(tag)
+    if not head.startswith("Caught DataError") or at < 0:
+        return e
+    where = head[len("Caught DataError "):].rstrip(".")
+    return DataError(f"{rest[at + len(tag):].strip()} (raised {where})")
 
 
 def _ignore_stop_signals(_worker_id: int) -> None:

@@ -7,7 +7,9 @@ read through HF `datasets` (the json / text / parquet builders, or `load_dataset
 
 from __future__ import annotations
 
+import codecs
 import glob
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -87,6 +89,7 @@ class Source:
     cfg: DataConfig
     files: list[str] = field(default_factory=list)
     _dataset: Any = None
+    _rows: Any = None  # _JsonRowCursor, made on the first null text of a JSON source
 
     def describe(self) -> dict:
         """What identifies the documents: part of the fingerprint and of meta.json."""
@@ -156,7 +159,7 @@ class Source:
             except StopIteration as e:  # what the json builder raises on a file with no rows
                 raise empty from e
             except Exception as e:
-                raise DataError(f"could not read {what}: {type(e).__name__}: {e}") from e
+                raise self._read_error(e) from e
         else:
             what = f"hub dataset {cfg.source!r} (hub_config={cfg.hub_config!r}, split={cfg.split!r})"
             log.info("loading %s via datasets.load_dataset (set HF_HUB_OFFLINE=1 to fail fast offline)", what)
@@ -172,8 +175,38 @@ class Source:
                     "it into the HF cache, or copy the files and set data.source to the local "
                     "path) or the name, hub_config or split is wrong."
                 ) from e
-        self._check_column(ds, what)
+        try:
+            self._check_column(ds, what)
+        except DataError:
+            raise
+        except Exception as e:  # streaming: the first row is read here
+            raise self._read_error(e) from e
         return ds.select_columns([cfg.text_column])
+
+    def _read_error(self, e: BaseException) -> DataError:
+        """A reader's failure as a DataError naming the file (line, byte) at fault and the fix.
+
+        The HF builders say only "An error occurred while generating the dataset", so on this
+        error path (never on the normal one) the local files are scanned in the order the
+        builder reads them, for the first one that is not UTF-8, not JSON lines, or lacks the
+        text column. Without a culprit the message carries the innermost cause instead.
+        """
+        cfg = self.cfg
+        if self.kind == "local":
+            builder = BUILDERS[_suffix(self.files[0])]
+            found = find_unreadable(self.files, builder, cfg.text_column, cast_error=_is_cast_error(e))
+            if found is not None:
+                return DataError(f"data.source={cfg.source!r}: {found}")
+            what = f"local {builder} files from data.source={cfg.source!r}"
+        else:
+            what = f"hub dataset {cfg.source!r} (hub_config={cfg.hub_config!r}, split={cfg.split!r})"
+        root = _root_cause(e)
+        detail = " ".join(str(root).split())[:300]  # one line: the builders' messages span several
+        if self.kind == "local":
+            fix = "check that every file is readable and holds what its suffix says"
+        else:
+            fix = "check the dataset's files, or copy them and set data.source to the local path"
+        return DataError(f"could not read {what}: {type(root).__name__}: {detail}. {fix}")
 
     def _check_column(self, ds, what: str) -> None:
         col = self.cfg.text_column
@@ -193,8 +226,10 @@ class Source:
     def iter_batches(self, batch_docs: Optional[int] = None) -> Iterator[list[str]]:
         """Batches of documents in source order, at most cfg.max_documents in all.
 
-        None values (missing text) are passed on as "" so they are counted as empty documents;
-        a non-string value is an error naming the column.
+        A null text (JSON null, a parquet/Arrow null) is passed on as "" so it is counted as an
+        empty document and skipped; a JSON row without the text column at all is an error naming
+        the file and line (the reader fills it with null too, see `_check_null`); a non-string
+        value is an error naming the column.
         """
         batch_docs = batch_docs or BATCH_DOCS
         limit = self.cfg.max_documents
@@ -204,12 +239,12 @@ class Source:
                 builtin_corpus()[i : i + batch_docs] for i in range(0, len(builtin_corpus()), batch_docs)
             )
         else:
-            col = self.cfg.text_column
-            batches = (b[col] for b in self.dataset().iter(batch_size=batch_docs))
+            batches = self._dataset_batches(batch_docs)
         for batch in batches:
             texts = []
-            for t in batch:
+            for i, t in enumerate(batch):
                 if t is None:
+                    self._check_null(seen + i)
                     t = ""
                 elif not isinstance(t, str):
                     raise DataError(
@@ -225,9 +260,219 @@ class Source:
             if limit is not None and seen >= limit:
                 return
 
+    def _dataset_batches(self, batch_docs: int) -> Iterator[list]:
+        """The text column in batches; a streamed reader's failure becomes `_read_error`'s."""
+        col = self.cfg.text_column
+        try:
+            for b in self.dataset().iter(batch_size=batch_docs):
+                yield b[col]
+        except DataError:
+            raise
+        except Exception as e:
+            raise self._read_error(e) from e
+
+    def _check_null(self, row: int) -> None:
+        """Row `row` (0-based, in reading order) has a null text: an error if the row of a JSON
+        file lacks the text column altogether.
+
+        The json builder gives a missing key and an explicit null the same null, so only the raw
+        line can tell them apart. Rows are found by a forward-only cursor over the files (null
+        rows come in increasing order), so all the null rows of a source cost one extra pass
+        over the files up to the last of them, parsing only those rows; sources without nulls
+        pay nothing.
+        """
+        if self.kind != "local" or BUILDERS[_suffix(self.files[0])] != "json":
+            return
+        if self._rows is None:
+            self._rows = _JsonRowCursor(self.files)
+        # A second pass over the source (tokenizer training, then encoding) asks again for rows
+        # the cursor has passed: those were checked by the first pass, and seek says None.
+        found = self._rows.seek(row)
+        if found is None:
+            return  # checked already, or not lined up with the reader's rows: a null (never guess)
+        path, where, value = found
+        col = self.cfg.text_column
+        if isinstance(value, dict) and col not in value:
+            missing = _missing_column(path, where, col, value)
+            raise DataError(f"data.source={self.cfg.source!r}: {missing}")
+
     def iter_texts(self) -> Iterator[str]:
         for batch in self.iter_batches():
             yield from batch
+
+
+# --- diagnosing unreadable local files (error paths only) ----------------------------------------
+_SCAN_BLOCK = 1 << 20
+_HOW_TO_FIX_ENCODING = (
+    "data.source must be UTF-8 text: convert the file (e.g. iconv -f latin1 -t utf-8) or, if it "
+    "is a binary or compressed file, remove it from data.source (or narrow the glob)"
+)
+
+
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    """`e` and its causes, outermost first."""
+    seen: set = set()
+    x: Optional[BaseException] = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        yield x
+        x = x.__cause__ or x.__context__
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    *_, root = _chain(e)
+    return root
+
+
+def _is_cast_error(e: BaseException) -> bool:
+    return any(type(x).__name__ == "CastError" for x in _chain(e))
+
+
+def first_non_utf8(path: str) -> Optional[tuple[int, int, str]]:
+    """(byte offset, line, reason) of the first byte sequence of `path` that is not UTF-8, or
+    None. Reads the file in 1 MB blocks with an incremental decoder (bounded memory)."""
+    dec = codecs.getincrementaldecoder("utf-8")()
+    pos = 0  # bytes handed to the decoder so far
+    lines = 0  # newlines in the bytes the decoder has fully consumed
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_SCAN_BLOCK)
+            pending = dec.getstate()[0]  # an incomplete sequence held back from the last block
+            try:
+                dec.decode(block, final=not block)
+            except UnicodeDecodeError as err:
+                seen = (pending + block)[: err.start]
+                return pos - len(pending) + err.start, lines + seen.count(b"\n") + 1, err.reason
+            lines += block.count(b"\n")
+            if not block:
+                return None
+            pos += len(block)
+
+
+def _missing_column(path: str, where: str, column: str, row: dict) -> str:
+    return (
+        f"{path} {where} has no {column!r} key (data.text_column={column!r}; its keys: "
+        f"{', '.join(map(str, row)) or 'none'}). Every row needs the text column: add it (null "
+        "or \"\" for an empty document, which is skipped), remove the row, or set data.text_column"
+    )
+
+
+def _json_rows(path: str) -> Iterator[tuple[str, Any]]:
+    """(where, raw) for each row the json builder makes of `path`, in its order: the elements
+    of a file that is one JSON array ("element k", already parsed; a string element is the
+    builder's {"text": s}), else each non-blank line ("line n", its bytes, parsed by
+    `_parse_row` only where needed). Raises _BadJson for a '['-file that is not one array."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head.startswith(codecs.BOM_UTF8):
+        head = head[len(codecs.BOM_UTF8):]
+    if head.startswith(b"["):
+        try:
+            with open(path, "rb") as f:
+                doc = json.load(f)
+        except ValueError as err:
+            raise _BadJson("(a JSON array)", str(err)) from None
+        if not isinstance(doc, list):
+            raise _BadJson("(a JSON array)", "not an array")
+        for k, r in enumerate(doc):
+            yield f"element {k}", {"text": r} if isinstance(r, str) else r
+        return
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.strip():
+                yield f"line {n}", raw
+
+
+def _parse_row(raw: Any) -> Any:
+    return json.loads(raw) if isinstance(raw, bytes) else raw
+
+
+class _BadJson(ValueError):
+    def __init__(self, where: str, reason: str):
+        super().__init__(f"{where}: {reason}")
+        self.where, self.reason = where, reason
+
+
+def _json_problem(path: str, column: str, keys: Optional[set]) -> Optional[str]:
+    """What the json builder would stumble on in a UTF-8 file: a line that is not JSON, a row
+    that is not an object or lacks `column`, or (`keys` given) a column the first file lacks."""
+    try:
+        for where, raw in _json_rows(path):
+            try:
+                row = _parse_row(raw)
+            except ValueError as err:
+                raise _BadJson(where, str(err)) from None
+            if not isinstance(row, dict):
+                return (f"{path} {where} is a JSON {type(row).__name__}, not an object: every row "
+                        f"must be an object with a {column!r} key")
+            if column not in row:
+                return _missing_column(path, where, column, row)
+            if keys is not None and not set(row) <= keys:
+                return (f"{path} {where} has column(s) {sorted(set(row) - keys)} that the first "
+                        "file does not have; the json reader needs the same columns in every "
+                        "file: drop them, or prepare the files separately")
+    except _BadJson as bad:
+        return (f"{path} {bad.where} is not valid JSON ({bad.reason}). Each line of a JSON-lines "
+                "file must be one JSON object: fix or remove that line")
+    return None
+
+
+def find_unreadable(
+    files: list[str], builder: str, column: str, cast_error: bool = False
+) -> Optional[str]:
+    """The first file the HF builder cannot read, and why; None if all look fine. Only called
+    after a read failed: it reads the files again. First every file for bytes that are not
+    UTF-8 (~1 GB/s), then, for JSON, every row in Python (~50 MB/s): a bad line, a row that is
+    not an object or lacks the column, a column the first file lacks (`cast_error`)."""
+    if builder in ("text", "json"):
+        for path in files:
+            bad = first_non_utf8(path)
+            if bad is not None:
+                off, line, reason = bad
+                return (f"{path} is not UTF-8 text (byte {off}, line {line}: {reason}). "
+                        f"{_HOW_TO_FIX_ENCODING}")
+    if builder == "json":
+        first_keys: Optional[set] = None
+        for i, path in enumerate(files):
+            problem = _json_problem(path, column, first_keys if i else None)
+            if problem is not None:
+                return problem
+            if cast_error and i == 0:  # the builder takes its columns from the first file
+                first_keys = set().union(*(_parse_row(raw) for _, raw in _json_rows(path)))
+    elif builder == "parquet":
+        import pyarrow.parquet as pq
+
+        for path in files:
+            try:
+                pq.ParquetFile(path).metadata
+            except Exception as err:
+                return (f"{path} is not a readable parquet file ({type(err).__name__}: {err}): "
+                        "remove it from data.source or write it again")
+    return None
+
+
+class _JsonRowCursor:
+    """Walks the rows of JSON files forward, in the json builder's order, to find row k.
+
+    Lines are counted, not parsed; only the rows asked for are parsed. `seek` returns None when
+    the files cannot be lined up with the reader's rows (then nothing is concluded).
+    """
+
+    def __init__(self, files: list[str]):
+        self._rows = ((path, where, raw) for path in files for where, raw in _json_rows(path))
+        self._next = 0  # index of the row _rows yields next
+
+    def seek(self, row: int) -> Optional[tuple[str, str, Any]]:
+        if row < self._next:
+            return None
+        try:
+            for path, where, raw in self._rows:
+                self._next += 1
+                if self._next - 1 == row:
+                    return path, where, _parse_row(raw)
+        except ValueError:  # _BadJson or a row that does not parse: the reader read it differently
+            pass
+        return None
 
 
 def open_source(cfg: DataConfig) -> Source:

@@ -156,11 +156,19 @@ def train_tokenizer(
     prefix = str(model_prefix)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     counted = {"sentences": 0}
+    source_error: list[BaseException] = []
 
     def sentences() -> Iterator[str]:
-        for s in _training_sentences(texts, max_sentences):
-            counted["sentences"] += 1
-            yield s
+        # SentencePiece stops at an exception raised inside its iterator but turns it into a
+        # RuntimeError carrying a traceback: keep the source's own error (a DataError naming
+        # the file and row) to raise as it is.
+        try:
+            for s in _training_sentences(texts, max_sentences):
+                counted["sentences"] += 1
+                yield s
+        except Exception as e:
+            source_error.append(e)
+            raise
 
     spm.set_random_generator_seed(seed)
     writer = io.BytesIO()
@@ -188,6 +196,8 @@ def train_tokenizer(
             minloglevel=2,
         )
     except RuntimeError as e:
+        if source_error:
+            raise source_error[0] from None
         msg = str(e)
         if counted["sentences"] == 0:
             raise DataError("cannot train a tokenizer: the source has no non-empty text") from e
