@@ -78,7 +78,9 @@ class TrainerConfig:
     global_batch_tokens: Optional[int] = None  # alternative to global_batch, in tokens
     log_every: int = 10
     eval_every: int = 50
-    eval_batches: int = 8
+    # The evaluation set: the first eval_sequences windows of the val split, each evaluated once
+    # (split across ranks): the same set whatever the micro-batch, world size or ZeRO stage.
+    eval_sequences: int = 32
     save_every: int = 100
     keep_last: int = 3
     resume: str = "auto"  # auto | never | <checkpoint path>
@@ -105,7 +107,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check_positive("trainer", self, ["max_steps", "seq_len", "micro_batch", "log_every",
                                           "eval_every", "save_every", "keep_last",
-                                          "eval_batches"])
+                                          "eval_sequences"])
         if self.resume not in ("auto", "never") and not os.path.exists(self.resume):
             raise ConfigError(f"trainer.resume={self.resume!r} is neither 'auto', 'never' nor an "
                               f"existing checkpoint path.")
@@ -409,7 +411,7 @@ def config_warnings(cfg: Config) -> List[str]:
 # same batch may be spelt micro_batch x world size, global_batch or global_batch_tokens.
 SAFE_CHANGES = (
     "trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.log_every",
-    "trainer.eval_every", "trainer.eval_batches", "trainer.micro_batch", "trainer.global_batch",
+    "trainer.eval_every", "trainer.eval_sequences", "trainer.micro_batch", "trainer.global_batch",
     "trainer.global_batch_tokens", "trainer.device", "trainer.compile", "trainer.peak_flops",
     "trainer.verify_checksums", "deepspeed.zero_stage", "deepspeed.offload_optimizer",
     "deepspeed.offload_params", "deepspeed.overlap_comm", "deepspeed.contiguous_gradients",

@@ -29,7 +29,7 @@ from llama_train import watchdog
 from llama_train.checkpoint import (CheckpointManager, prepare_universal, read_state, rng_state,
                                     set_rng_state)
 from llama_train.config import ConfigError, to_container
-from llama_train.data import DataError, Tokenizer, TrainLoader, val_batches
+from llama_train.data import DataError, Tokenizer, TrainLoader, eval_set
 from llama_train.data.tokenizer import file_sha256
 from llama_train.faults import FaultInjector
 from llama_train.hooks import Hook
@@ -353,23 +353,31 @@ class Trainer:
         return metrics
 
     def evaluate(self) -> float:
-        """Mean loss over ``trainer.eval_batches`` micro-batches of the validation split per
-        rank, averaged over ranks."""
+        """The mean loss per token over the evaluation set (``trainer.eval_sequences`` windows
+        of the validation split, each evaluated once by one rank: EvalSet), so the number does
+        not depend on the micro-batch, world size or ZeRO stage."""
         t, rt = self.cfg.trainer, self.rt
+        t0 = time.perf_counter()
         self.engine.eval()
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(2, dtype=torch.float64)  # [sum of token losses, tokens]
         with torch.no_grad(), watchdog.phase("eval"):
-            for x, y in val_batches(self.prepared.dir, t.seq_len, t.micro_batch, t.eval_batches,
-                                    rt.rank, rt.world_size):
-                _, loss = self.engine(x.to(rt.device), y.to(rt.device))
-                total += torch.tensor([loss.double().item(), 1.0], dtype=torch.float64)
+            for x, y in eval_set(self.prepared.dir, t.seq_len, t.micro_batch, t.eval_sequences,
+                                 rt.rank, rt.world_size):
+                _, loss = self.engine(x.to(rt.device), y.to(rt.device))  # mean over valid targets
+                n = int((y != -100).sum())
+                if n:
+                    total += torch.tensor([loss.double().item() * n, n], dtype=torch.float64)
         total = total.to(rt.device)
         dist.all_reduce(total)
         self.engine.train()
-        self.val_loss = (total[0] / total[1].clamp(min=1)).item()
+        loss_sum, tokens = total.cpu().tolist()
+        self.val_loss = loss_sum / max(tokens, 1.0)
         ppl = math.exp(min(self.val_loss, 50.0))
-        self.tracker.log(self.state.step, {"val_loss": self.val_loss, "val_ppl": ppl})
-        log.info("step %5d | val_loss %.4f | val_ppl %.2f", self.state.step, self.val_loss, ppl)
+        seconds = time.perf_counter() - t0
+        self.tracker.log(self.state.step, {"val_loss": self.val_loss, "val_ppl": ppl,
+                                           "val_tokens": int(tokens), "val_time_s": seconds})
+        log.info("step %5d | val_loss %.4f | val_ppl %.2f | %d tokens in %.1fs", self.state.step,
+                 self.val_loss, ppl, int(tokens), seconds)
         return self.val_loss
 
     # -- checkpoints ---------------------------------------------------------------------------

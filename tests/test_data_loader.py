@@ -1,4 +1,4 @@
-"""TrainLoader / val_batches: exact global order, rank split, resume across world sizes."""
+"""TrainLoader / eval_set: exact global order, rank split, resume across world sizes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from llama_train.data import DataConfig, DataError, PackedTokens, TrainLoader, prepare_data, train_tokenizer, val_batches
+from llama_train.data import DataConfig, DataError, PackedTokens, TrainLoader, prepare_data, train_tokenizer, eval_set
 from llama_train.data import packed
 from llama_train.data import prepare as prepare_module
 from llama_train.data.loader import IndexPermutation
@@ -202,24 +202,33 @@ def test_loader_errors(prepared):
     assert L.state_dict()["consumed_samples"] == 12
 
 
-def test_val_batches_split_across_ranks(prepared):
+def test_eval_set_is_the_same_windows_whatever_the_batch_and_world(prepared):
+    """The first `sequences` windows of the split, each on exactly one rank, in batches of at
+    most batch_size rows; every rank yields the same number of batches (padding rows have all
+    targets -100)."""
     tokens = np.asarray(PackedTokens(prepared, "val")[:], dtype=np.int64)
     n_windows = (len(tokens) - 1) // SEQ
-    one = list(val_batches(prepared, SEQ, 4, None, 0, 1))
-    assert len(one) == n_windows // 4
-    x0, y0 = one[0]
-    assert torch.equal(x0[1], torch.from_numpy(tokens[SEQ : 2 * SEQ]))
-    assert torch.equal(y0[1], torch.from_numpy(tokens[SEQ + 1 : 2 * SEQ + 1]))
-    for world in (2, 3):
-        per_rank = [list(val_batches(prepared, SEQ, 4, 5, r, world)) for r in range(world)]
-        assert len({len(b) for b in per_rank}) == 1 and len(per_rank[0]) == min(5, len(one) // world)
-        merged = [per_rank[j % world][j // world] for j in range(world * len(per_rank[0]))]
-        for (x, y), (rx, ry) in zip(merged, one):
-            assert torch.equal(x, rx) and torch.equal(y, ry)
-    again = val_batches(prepared, SEQ, 4, 3, 1, 2)
+    want = {w: tokens[w * SEQ:(w + 1) * SEQ + 1] for w in range(min(7, n_windows))}
+    for world in (1, 2, 3):
+        for batch in (1, 2, 4):
+            seen = []
+            per_rank = [list(eval_set(prepared, SEQ, batch, 7, r, world)) for r in range(world)]
+            assert len({len(b) for b in per_rank}) == 1  # lockstep
+            for rank, batches in enumerate(per_rank):
+                for x, y in batches:
+                    assert x.shape[0] <= batch
+                    for row_x, row_y in zip(x, y):
+                        if (row_y == -100).all():
+                            continue  # padding
+                        w = next(w for w, t in want.items() if np.array_equal(row_x, t[:-1]))
+                        assert np.array_equal(row_y, want[w][1:]) and w % world == rank
+                        seen.append(w)
+            assert sorted(seen) == sorted(want), (world, batch, seen)
+    again = eval_set(prepared, SEQ, 2, 5, 1, 2)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(again, again))  # deterministic, re-iterable
+    assert eval_set(prepared, SEQ, 2, 10**9, 0, 1).sequences == n_windows  # capped at the split
     with pytest.raises(DataError, match="val_fraction"):
-        val_batches(prepared, len(tokens), 1, None, 0, 1)
+        eval_set(prepared, len(tokens), 1, 4, 0, 1)
 
 
 # --- shards corrupted in range (same size, valid token ids) -------------------------------------
@@ -329,7 +338,7 @@ def test_a_window_straddling_two_blocks_checks_both_once(prepared, tmp_path, che
 
 def test_each_block_is_hashed_at_most_once_per_process_and_only_if_read(prepared, tmp_path, checked):
     """The check is off the hot path: one crc32 per block read, however many readers (train
-    loader, each evaluation's val_batches, a re-built loader) read it; no shard is hashed whole;
+    loader, each evaluation's eval_set, a re-built loader) read it; no shard is hashed whole;
     data.verify=true hashes every shard again and leaves its blocks checked."""
     import shutil
 
@@ -344,7 +353,7 @@ def test_each_block_is_hashed_at_most_once_per_process_and_only_if_read(prepared
     assert len(blocks) == len(set(blocks))
     assert set(blocks) == blocks_of(L.tokens, 0, L.num_windows * SEQ + 1)
     for _ in range(3):
-        list(val_batches(d, SEQ, 2, None))
+        list(eval_set(d, SEQ, 2, 10**9))
         consume(TrainLoader(d, SEQ, 8, 2, 0, 1, SEED, num_workers=0), 8)
     assert len(blocks) == len(set(blocks))
     assert {f for f, _ in blocks} == {s["file"] for s in L.tokens.shards + PackedTokens(d, "val").shards}
@@ -425,7 +434,7 @@ def test_data_without_block_checksums_falls_back_to_the_shard_check(prepared, tm
     assert not prepare_data(cfg, 512).created
     with caplog.at_level(logging.WARNING, logger="llama_train.data.packed"):
         pt = PackedTokens(d, "train")
-        PackedTokens(d, "val"), TrainLoader(d, SEQ, 8, 2, 0, 1, SEED, num_workers=0), val_batches(d, SEQ, 2, 1)
+        PackedTokens(d, "val"), TrainLoader(d, SEQ, 8, 2, 0, 1, SEED, num_workers=0), eval_set(d, SEQ, 2, 2)
     notes = [r.getMessage() for r in caplog.records if r.name == "llama_train.data.packed"]
     assert len(notes) == 1 and f"{d} was prepared without block checksums" in notes[0]
     assert "Prepare it again" in notes[0]

@@ -568,3 +568,27 @@ def test_config_yamls_are_dataconfig_fields():
     assert DataConfig.from_any(OmegaConf.load(REPO / "configs" / "data" / "builtin.yaml")).source == "builtin"
     with pytest.raises(DataError, match="unknown data config key"):
         DataConfig.from_any({"sorce": "x"})
+
+
+def test_llama_data_prepares_what_llama_train_reuses(files, tmp_path, monkeypatch, capsys):
+    """`llama-data prepare --source '<glob>'` and `llama-train data.source='<glob>'` name the
+    same data the same way (llama-train's defaults, a directory named after the source): the
+    trainer finds the prepared directory instead of training a tokenizer and preparing again
+    (before: other val_fraction default, a `builtin-...` name for local files)."""
+    from hydra import compose, initialize_config_dir
+
+    from llama_train.config import load_config
+    from llama_train.data import find_prepared
+    from llama_train.paths import CONFIG_DIR
+
+    monkeypatch.setenv("LLAMA_TRAIN_CACHE", str(tmp_path / "cache"))
+    glob = str(Path(files["root"]) / "*.jsonl")
+    assert cli_main(["prepare", "--source", glob, "--vocab-size", str(VOCAB), "--num-proc", "1"]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["created"] and Path(made["dir"]).name.startswith("local-")
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        cfg = load_config(compose("config", overrides=[f"data.source='{glob}'",
+                                                       f"model.vocab_size={VOCAB}"]))
+    found = find_prepared(cfg.data, vocab_size=VOCAB)
+    assert found is not None and found.dir == made["dir"]
+    assert prepare_data(cfg.data, VOCAB).created is False

@@ -41,6 +41,14 @@ def _close(a, b, tol=TOL):
     assert_losses_close(a, b, tol)
 
 
+def _same_val(out, baseline):
+    """The final val_loss over the same evaluation set (trainer.eval_sequences windows, each
+    once), whatever the micro-batch, world size or stage: within 1e-5 (fp32); and its size."""
+    mine, theirs = ([r for r in metrics(d) if "val_loss" in r][-1] for d in (out, baseline))
+    assert mine["val_tokens"] == theirs["val_tokens"] == 8 * 64
+    assert abs(mine["val_loss"] - theirs["val_loss"]) < 1e-5, (mine["val_loss"], theirs["val_loss"])
+
+
 def test_baseline_run_is_complete(baseline):
     rows = metrics(baseline)
     steps = [r for r in rows if "loss" in r]
@@ -69,6 +77,7 @@ def test_zero_stages_agree(stage, baseline, runs):
     train(out, [f"deepspeed.zero_stage={stage}"])
     _close(losses(out), losses(baseline))
     assert abs(losses(out)[1] - losses(baseline)[1]) < 1e-6
+    _same_val(out, baseline)
 
 
 def test_grad_accumulation_matches_micro_batch(baseline, runs):
@@ -76,6 +85,7 @@ def test_grad_accumulation_matches_micro_batch(baseline, runs):
     out = runs / "accum"
     train(out, ["trainer.micro_batch=1", "trainer.global_batch=4"])
     _close(losses(out), losses(baseline))
+    _same_val(out, baseline)  # the evaluation in batches of 1 instead of 2
 
 
 def test_single_process_matches_two_ranks(baseline, runs):
@@ -85,6 +95,7 @@ def test_single_process_matches_two_ranks(baseline, runs):
            "trainer.micro_batch=4"]
     run(cmd, runs / "single.log")
     _close(losses(out), losses(baseline))
+    _same_val(out, baseline)  # 1 rank in batches of 4, against 2 ranks in batches of 2
 
 
 def test_two_node_simulation_matches_single_node(baseline, runs, tmp_path):

@@ -35,7 +35,7 @@ def train_overrides(args: argparse.Namespace, device: str, precision: str) -> Li
         "trainer.log_every=1",
         "trainer.eval_every=1000000000",
         "trainer.save_every=1000000000",
-        "trainer.eval_batches=1",
+        f"trainer.eval_sequences={args.micro_batch}",
         "sample.tokens=0",
         "trainer.resume=never",
         "trainer.on_existing=overwrite",  # a benchmark's run dir is scratch: rerun in place

@@ -2,7 +2,7 @@
 
     prepare_data(cfg, vocab_size) -> PreparedData     # once per machine, every rank may call it
     TrainLoader(prepared.dir, seq_len, global_batch, micro_batch, dp_rank, dp_world, seed)
-    val_batches(prepared.dir, seq_len, batch_size, max_batches, dp_rank, dp_world)
+    eval_set(prepared.dir, seq_len, batch_size, sequences, dp_rank, dp_world)
 
 Exports are imported lazily so that light users (the `llama-data` CLI, tokenization worker
 processes) do not pay for importing torch.
@@ -25,7 +25,7 @@ _EXPORTS = {
     "read_meta": ".meta",
     "check_compatible": ".meta",
     "TrainLoader": ".loader",
-    "val_batches": ".loader",
+    "eval_set": ".loader",
     "builtin_corpus": ".corpus",
 }
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from .config import DataConfig
     from .corpus import builtin_corpus
     from .errors import DataError
-    from .loader import TrainLoader, val_batches
+    from .loader import TrainLoader, eval_set
     from .meta import check_compatible, read_meta
     from .packed import PackedTokens
     from .prepare import PreparedData, find_prepared, prepare_data

@@ -1,11 +1,15 @@
 """`llama-data`: train a tokenizer, prepare packed shards, inspect a prepared directory.
 
     llama-data train-tokenizer --source builtin --vocab-size 8192 --out tok/llama8k
-    llama-data prepare --source data/*.jsonl --vocab-size 8192 --num-proc 2
+    llama-data prepare --source 'data/*.jsonl' --vocab-size 8192 --num-proc 2
     llama-data prepare --config configs/data/local_files.yaml --tokenizer tok/llama8k.model
     llama-data info ~/.cache/llama_train/builtin-0123456789 --verify
 
 Every `prepare` option is a DataConfig field (same names as configs/data/*.yaml, with dashes).
+Unset options take llama-train's defaults (configs/data/builtin.yaml, its default data group), so
+`llama-data prepare --source 'x/*.jsonl' --vocab-size V` prepares exactly the directory that
+`llama-train data.source='x/*.jsonl' model.vocab_size=V` then finds and reuses. Quote globs: the
+shell would expand them.
 """
 
 from __future__ import annotations
@@ -58,14 +62,16 @@ def add_config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
 
 
 def config_from_args(args: argparse.Namespace) -> DataConfig:
-    values: dict[str, Any] = {}
-    if getattr(args, "config", None):
-        from omegaconf import OmegaConf
+    """--config (default: llama-train's default data group), then the options given."""
+    from omegaconf import OmegaConf
 
-        loaded = OmegaConf.to_container(OmegaConf.load(args.config), resolve=True)
-        if not isinstance(loaded, dict):
-            raise DataError(f"--config {args.config}: expected a mapping of DataConfig fields")
-        values.update(loaded)
+    from llama_train.paths import CONFIG_DIR
+
+    path = getattr(args, "config", None) or CONFIG_DIR / "data" / "builtin.yaml"
+    loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    if not isinstance(loaded, dict):
+        raise DataError(f"--config {path}: expected a mapping of DataConfig fields")
+    values: dict[str, Any] = dict(loaded)
     for f in dataclasses.fields(DataConfig):
         v = getattr(args, f.name, None)
         if v is not None:

@@ -20,8 +20,10 @@ class DataConfig:
     directory name; the rest (num_proc, shard_tokens, num_workers, ...) only change speed/layout.
     """
 
-    name: str = "builtin"
-    """Prefix of the prepared directory name under the cache: `<name>-<settings hash>`."""
+    name: Optional[str] = None
+    """Prefix of the prepared directory name under the cache: `<name>-<settings hash>`. None:
+    from the source (`builtin`, `local` for files, the hub dataset's name), so `llama-data` and
+    `llama-train` name the same data the same way."""
     source: str = "builtin"
     """`builtin` (Python docs + stdlib docstrings/comments), a HF hub dataset name, or a local
     file / directory / glob of .txt, .jsonl, .json or .parquet files."""

@@ -19,6 +19,7 @@ costs nothing and is identical on any machine and numpy version.
 from __future__ import annotations
 
 import atexit
+import math
 import weakref
 
 import logging
@@ -308,48 +309,52 @@ class TrainLoader:
         self.load_state_dict({**self.state_dict(), "consumed_samples": self.consumed_samples + int(n)})
 
 
-class ValBatches:
-    """Deterministic validation batches of one rank (re-iterable, with a length).
+class EvalSet:
+    """The evaluation set of one rank: defined by the config alone, the first ``sequences``
+    windows of the split (all of them if it has fewer), window w evaluated by rank
+    w % dp_world, in batches of at most ``batch_size`` rows. So every window is evaluated exactly
+    once whatever the micro-batch, world size or ZeRO stage, and a token-weighted mean over the
+    ranks' sums is the same number (before: ``trainer.eval_batches`` micro-batches per rank, a set
+    that grew with both). Every rank yields the same number of batches, as ZeRO-3 needs (it gathers
+    each layer with all ranks); a rank whose share has run out yields one padding row whose
+    targets are all -100 (ignored by the loss). Re-iterable, with a length."""
 
-    Sequential windows w = 0, 1, ... of the val split, grouped into batches of `batch_size`;
-    global batch j goes to rank j % dp_world. Every rank gets the same number of batches,
-    min(max_batches, total // dp_world), so collective loss averaging stays in lockstep.
-    """
-
-    def __init__(self, prepared_dir, seq_len: int, batch_size: int, max_batches: Optional[int],
+    def __init__(self, prepared_dir, seq_len: int, batch_size: int, sequences: int,
                  dp_rank: int = 0, dp_world: int = 1, split: str = "val"):
-        _check_positive(seq_len=seq_len, batch_size=batch_size, dp_world=dp_world)
+        _check_positive(seq_len=seq_len, batch_size=batch_size, dp_world=dp_world,
+                        sequences=sequences)
         if not 0 <= dp_rank < dp_world:
             raise DataError(f"dp_rank={dp_rank} must be in [0, dp_world={dp_world})")
         self.tokens = PackedTokens(prepared_dir, split)
         n_windows = (len(self.tokens) - 1) // seq_len if len(self.tokens) > 0 else 0
-        per_rank = (n_windows // batch_size) // dp_world
-        if per_rank == 0:
+        if n_windows == 0:
             raise DataError(
-                f"the {split!r} split of {prepared_dir} has {len(self.tokens)} tokens = {n_windows} "
-                f"windows of seq_len={seq_len}, fewer than batch_size={batch_size} x dp_world="
-                f"{dp_world} needed for one validation batch per rank: raise data.val_fraction, "
-                "lower the eval batch size or seq_len"
-            )
-        if max_batches is not None:
-            per_rank = min(per_rank, int(max_batches))
-        self.n_batches = per_rank
+                f"the {split!r} split of {prepared_dir} has {len(self.tokens)} tokens, fewer than "
+                f"one window of seq_len={seq_len} + 1: raise data.val_fraction or lower seq_len")
+        self.sequences = min(int(sequences), n_windows)
+        self.mine = np.arange(dp_rank, self.sequences, dp_world)  # this rank's window ids
+        most = math.ceil(self.sequences / dp_world)  # the largest share of a rank
+        self.n_batches = math.ceil(most / batch_size)
         self._windows = _Windows(self.tokens, seq_len, seed=0)
-        self.seq_len, self.batch_size, self.dp_rank, self.dp_world = seq_len, batch_size, dp_rank, dp_world
+        self.seq_len, self.batch_size = seq_len, batch_size
 
     def __len__(self) -> int:
         return self.n_batches
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for i in range(self.n_batches):
-            j = i * self.dp_world + self.dp_rank
-            yield self._windows.read(np.arange(j * self.batch_size, (j + 1) * self.batch_size))
+        for b in range(self.n_batches):
+            ids = self.mine[b * self.batch_size:(b + 1) * self.batch_size]
+            if len(ids):
+                yield self._windows.read(ids)  # x, y: (rows, seq_len)
+            else:
+                yield (torch.zeros(1, self.seq_len, dtype=torch.int64),
+                       torch.full((1, self.seq_len), -100, dtype=torch.int64))
 
 
-def val_batches(prepared_dir, seq_len: int, batch_size: int, max_batches: Optional[int] = None,
-                dp_rank: int = 0, dp_world: int = 1) -> ValBatches:
-    """Validation (x, y) batches for one rank; see ValBatches."""
-    return ValBatches(prepared_dir, seq_len, batch_size, max_batches, dp_rank, dp_world)
+def eval_set(prepared_dir, seq_len: int, batch_size: int, sequences: int, dp_rank: int = 0,
+             dp_world: int = 1) -> EvalSet:
+    """This rank's batches of the validation set; see EvalSet."""
+    return EvalSet(prepared_dir, seq_len, batch_size, sequences, dp_rank, dp_world)
 
 
 def _unwrap_worker_error(e: DataError) -> DataError:

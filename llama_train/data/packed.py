@@ -29,7 +29,7 @@ BLOCK_ALGORITHM = "crc32"
 
 # Shards whose sha256 this process has checked, by the identity of the file checked: (device,
 # inode, size, mtime, ctime) -> sha256. A shard is hashed once per process however many
-# PackedTokens open it (the train loader, every evaluation's val_batches, a re-built loader);
+# PackedTokens open it (the train loader, every evaluation's eval_set, a re-built loader);
 # a DataLoader worker forked after the check inherits it. A file replaced or rewritten since
 # has another identity and is hashed again. verify=True always hashes again.
 _VERIFIED: dict[tuple, str] = {}

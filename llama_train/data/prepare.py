@@ -280,10 +280,10 @@ def _fingerprint(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
-def _default_dir(cfg: DataConfig, fingerprint: str) -> Path:
+def _default_dir(source: Source, fingerprint: str) -> Path:
     from llama_train.paths import cache_dir
 
-    return cache_dir() / f"{cfg.name}-{fingerprint[:10]}"
+    return cache_dir() / f"{source.name}-{fingerprint[:10]}"
 
 
 def _check_shards(d: Path, meta: dict) -> None:
@@ -383,7 +383,8 @@ def _target(cfg: DataConfig, vocab_size: Optional[int]) -> tuple:
     dtype = resolve_dtype(cfg.dtype, int(vocab_size))
     settings = _settings(cfg, source, tok_settings, dtype)
     fingerprint = _fingerprint(settings)
-    final = Path(cfg.prepared_dir).expanduser() if cfg.prepared_dir else _default_dir(cfg, fingerprint)
+    final = (Path(cfg.prepared_dir).expanduser() if cfg.prepared_dir
+             else _default_dir(source, fingerprint))
     final = final.absolute()
     return source, vocab_size, dtype, settings, fingerprint, final
 
@@ -547,7 +548,7 @@ def _encode_into(out: Path, cfg: DataConfig, source: Source, dtype: str, num_pro
     writers = {s: ShardWriter(out, s, dtype, cfg.shard_tokens, BLOCK_BYTES) for s in SPLITS}
     frac = Fraction(str(cfg.val_fraction))
     docs = {"read": 0, "empty": 0, "kept": 0, "bytes": 0}
-    bar = tqdm(total=source.num_documents(), unit="doc", desc=f"tokenizing {cfg.name}",
+    bar = tqdm(total=source.num_documents(), unit="doc", desc=f"tokenizing {source.name}",
                mininterval=1.0, dynamic_ncols=True)
     try:
         chunks = _encoded_chunks(source, str(out / TOKENIZER_FILE), cfg.add_bos, dtype, num_proc)

@@ -12,6 +12,7 @@ import glob
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +91,15 @@ class Source:
     files: list[str] = field(default_factory=list)
     _dataset: Any = None
     _rows: Any = None  # _JsonRowCursor, made on the first null text of a JSON source
+
+    @property
+    def name(self) -> str:
+        """``data.name``, else one from the source: the prefix of its prepared directory."""
+        if self.cfg.name:
+            return self.cfg.name
+        if self.kind != "hub":
+            return self.kind  # builtin | local
+        return re.sub(r"[^a-z0-9_.-]+", "_", self.cfg.source.rsplit("/", 1)[-1].lower()) or "hub"
 
     def describe(self) -> dict:
         """What identifies the documents: part of the fingerprint and of meta.json."""

@@ -58,22 +58,17 @@ def _instrument() -> None:
             return evaluate(self)
 
     Trainer.evaluate = evaluate_noted
-    real_save = torch.save
+    torch.save = _then_stop(torch.save, "save")  # after DeepSpeed's first file of a save
+    torch.load = _then_stop(torch.load, "load")  # after the first file read of a resume
 
-    def save(*args, **kwargs):
-        out = real_save(*args, **kwargs)
-        _stop_here("save")
+
+def _then_stop(fn, phase: str):
+    def call(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        _stop_here(phase)
         return out
 
-    torch.save = save
-    real_load = torch.load
-
-    def load(*args, **kwargs):
-        out = real_load(*args, **kwargs)
-        _stop_here("load")
-        return out
-
-    torch.load = load
+    return call
 
 
 if __name__ == "__main__":
