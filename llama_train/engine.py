@@ -111,14 +111,15 @@ def init_distributed(comm: Optional[CommConfig] = None, device_type: str = "cpu"
     # the watchdog (started below) stops a job after comm.timeout_s without progress from a
     # rank; a collective gives up a few seconds later, as the backstop
     timeout = datetime.timedelta(seconds=int(comm.timeout_s) + watchdog.COLLECTIVE_MARGIN_S)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                               timeout=timeout)
+    with _without_shm_comm_op(device_type == "cpu"):
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                                   timeout=timeout)
     _default_group_timeout(timeout)
     if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
-        # Ranks reach this point seconds apart on a loaded host (imports, DeepSpeed's op build):
-        # a skew at start-up is not a hang. Past this barrier they run in step, watched.
+        # Ranks reach this point seconds apart on a loaded host (imports, data checks): a skew
+        # at start-up is not a hang. Past this barrier they run in step, watched.
         dist.monitored_barrier(timeout=max(timeout, STARTUP_TIMEOUT))
-    if device_type == "cpu":
+    if device_type == "cpu" and shm_comm_op_loaded():
         _unlink_shm_buffer(dist.get_rank())
     watchdog.start(comm.timeout_s, dist.get_rank(), dist.get_world_size())
     return backend
@@ -142,11 +143,51 @@ def _default_group_timeout(timeout: datetime.timedelta) -> None:
         c10d.default_pg_nccl_timeout = timeout
 
 
+@contextlib.contextmanager
+def _without_shm_comm_op(skip: bool) -> Iterator[None]:
+    """Inside (when ``skip``): DeepSpeed starts its torch comm backend without its CPU
+    shared-memory comm op (``deepspeed_shm_comm_op``).
+
+    DeepSpeed 0.19.8's ``TorchBackend.__init__`` calls ``deepspeed.comm.torch.build_shm_op()`` on
+    every start: it probes every op builder for compatibility (compiler subprocesses), JIT-loads
+    the op through torch's cpp_extension (ninja; a C++ build of 30-70 s on 2 cores whenever
+    ``TORCH_EXTENSIONS_DIR`` holds no build yet, e.g. a fresh container or the default
+    ``~/.cache/torch_extensions``), prints "... built successfully" on every rank, and maps a
+    ~66 MB /dev/shm buffer per rank. The op serves one call, ``inference_all_reduce`` (DeepSpeed
+    inference's tensor-parallel layers), which without it uses ``torch.distributed.all_reduce``;
+    training's collectives (gradient all-reduce, ZeRO's reduce-scatter/all-gather, barriers) all
+    go through ``torch.distributed`` either way (docs/benchmarks-startup.md). ``build_shm_op`` is
+    looked up at call time, so it is replaced for the duration of the call only. On GPUs
+    DeepSpeed has no such op and nothing changes; a DeepSpeed without ``build_shm_op`` is left
+    alone (and :func:`shm_comm_op_loaded` then says whether its buffer must be unlinked)."""
+    import importlib
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    real = getattr(ds_torch, "build_shm_op", None)
+    if not skip or real is None:
+        yield
+        return
+    ds_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = real
+
+
+def shm_comm_op_loaded() -> bool:
+    """Whether DeepSpeed's comm backend of this process holds the CPU shared-memory comm op."""
+    import importlib
+
+    cdb = getattr(importlib.import_module("deepspeed.comm.comm"), "cdb", None)
+    return getattr(cdb, "shm_comm_op", None) is not None
+
+
 def _unlink_shm_buffer(rank: int) -> None:
-    """DeepSpeed's CPU shared-memory all-reduce creates a ~66 MB /dev/shm file per rank and never
-    removes it, so every run leaks RAM until /dev/shm fills up. Once every rank has mapped its
-    peers' buffers (after the barrier) the names are no longer needed: unlink ours, the mappings
-    stay valid and the memory is freed when the job ends."""
+    """DeepSpeed's CPU shared-memory all-reduce (when loaded: see :func:`_without_shm_comm_op`)
+    creates a ~66 MB /dev/shm file per rank and never removes it, so every run leaks RAM until
+    /dev/shm fills up. Once every rank has mapped its peers' buffers (after the barrier) the names
+    are no longer needed: unlink ours, the mappings stay valid and the memory is freed when the
+    job ends."""
     import torch.distributed as dist
 
     dist.barrier()

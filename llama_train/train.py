@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -26,6 +27,7 @@ from llama_train.config import (BatchPlan, Config, ConfigError, config_warnings,
                                 resolve_batch, validate)
 from llama_train.hooks import Hook
 from llama_train.paths import CONFIG_DIR
+from llama_train.proc import exit_skipping_teardown
 
 log = logging.getLogger("llama_train")
 
@@ -311,6 +313,7 @@ def _strip_launcher_args(argv: List[str]) -> List[str]:
 # Exit codes (docs/reliability.md): 2 bad config or data, 3 a checkpoint could not be saved or
 # loaded, 4 the fault policy gave up, 5 another rank was lost.
 EXIT_BAD_INPUT, EXIT_CHECKPOINT, EXIT_ABORTED, EXIT_LOST_RANK = 2, 3, 4, 5
+LOST_RANK_EXIT_DELAY_S = 2.5
 
 
 def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
@@ -340,7 +343,14 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
     except OSError as e:
         if not (trainer and _in_output_dir(e, trainer.cfg.trainer.output_dir)):
             raise
-        _fail(EXIT_CHECKPOINT, OSError(_unwritable(e, trainer.cfg.trainer.output_dir)))
+        msg = _unwritable(e, trainer.cfg.trainer.output_dir)
+        log.error("%s", msg)
+        print(f"llama-train: error: {msg}", file=sys.stderr)
+        logging.shutdown()
+        # Only this rank knows: exit now, before the other ranks, which lose it in their next
+        # collective (exit 5), so the launcher reports this exit code. A teardown would wait on
+        # them and the disk; the lock and everything else go with the process.
+        exit_skipping_teardown(EXIT_CHECKPOINT)
     except Exception as e:
         import torch.distributed as dist
 
@@ -432,9 +442,11 @@ def _exit_lost_rank(comm: BaseException, timeout_s: float, step: Optional[int]) 
     log.error(msg)
     print(f"llama-train: error: {msg}", file=sys.stderr)
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(EXIT_LOST_RANK)
+    # The rank that caused this (killed, or out with its own code: 3 for an unwritable
+    # output_dir) is gone already: let the launcher, which polls its ranks once a second in no
+    # fixed order, see that exit first, so the job's status is the cause's, not this one's.
+    time.sleep(LOST_RANK_EXIT_DELAY_S)
+    exit_skipping_teardown(EXIT_LOST_RANK)
 
 
 def _fail(code: int, e: BaseException) -> None:

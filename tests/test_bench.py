@@ -1,4 +1,4 @@
-"""`llama-bench train` and `llama-bench memory` on the tiny model: real runs, checked for shape and
+"""`llama-bench train`, `memory` and `startup` on the tiny model: real runs, checked for shape and
 self-consistency (speed thresholds belong to benchmarks, not tests)."""
 
 from __future__ import annotations
@@ -250,3 +250,37 @@ def test_cross_entropy_matches_torch_in_value_and_gradient():
     assert g_ours[::5].abs().max() == 0
     with torch.no_grad():  # evaluation takes torch's own path
         torch.testing.assert_close(cross_entropy(logits, targets), ref.detach())
+
+
+@pytest.mark.slow
+def test_startup_bench_reports_each_variant_and_phase(tmp_path, capsys):
+    from helpers import TINY as TEST_TINY
+
+    from llama_train.bench import startup
+
+    assert startup.TINY == TEST_TINY  # the bench times the tests' tiny run
+    with pytest.raises(SystemExit, match="--rounds=0 must be >= 1"):
+        startup.parse_args(["--rounds", "0"])
+    with pytest.raises(SystemExit, match="no llama_train/train.py"):
+        startup.parse_args(["--baseline", str(tmp_path)])
+    out = tmp_path / "startup.json"
+    startup.main(["--nprocs", "1", "--rounds", "1", "--phase-rounds", "1", "--json", str(out)])
+    table = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert "reproduce: llama-bench startup --nprocs 1" in table and r["command"] in table
+    assert "llama-train model=tiny" in r["commands"]["1"]["ours"]
+    res = r["results"]["1"]
+    assert set(res) == {"floor", "ours"} and res["floor"]["over_floor_s"] == 0
+    for x in res.values():
+        assert 0 < x["to_step1_s"]["median"] <= x["to_exit_s"]["median"] and x["first_run_s"] > 0
+        assert x["cpu_s"]["median"] > 0
+    ours = r["phases"]["1"]["ours"]
+    labels = [p["phase"] for p in ours]
+    assert labels[0].startswith("launcher") and labels[-1] == "step 1 logged (metrics.jsonl)"
+    assert {"import deepspeed", "deepspeed.initialize", "peak FLOPs (matmul timing)"} <= set(labels)
+    assert not any("shm comm op" in lab for lab in labels)  # not loaded on CPU any more
+    # the phases of the one probe run add up to its command -> step 1 (metrics.jsonl's time)
+    total = r["phases"]["1"]["ours (probe run total)"]["median"]
+    assert sum(p["median_s"] for p in ours) == pytest.approx(total, abs=0.05)
+    floor = [p["phase"] for p in r["phases"]["1"]["floor"]]
+    assert floor[-1] == "step 1 (forward, backward, AdamW step)"

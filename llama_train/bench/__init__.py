@@ -10,6 +10,7 @@ BENCHES = {
     "data": "llama_train.bench.data",
     "train": "llama_train.bench.train",
     "memory": "llama_train.bench.memory",
+    "startup": "llama_train.bench.startup",
 }
 
 

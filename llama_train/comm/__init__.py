@@ -16,6 +16,7 @@ from llama_train.comm.ring import ring_all_reduce
 __all__ = [
     "CommConfig",
     "apply_env",
+    "check_backend",
     "configure_backend",
     "normalize_nccl_algo",
     "ring_all_reduce",
@@ -103,14 +104,25 @@ def configure_backend(device: str, nccl_algo: Optional[str] = None) -> str:
     return "nccl"
 
 
-def apply_env(cfg: CommConfig, device_type: str) -> str:
-    """Set the NCCL_* variables from ``cfg`` (only when NCCL will be used) and return the backend."""
+def check_backend(cfg: CommConfig, device_type: str) -> str:
+    """The backend ``cfg`` gives on ``device_type`` ("nccl" or "gloo"), or ValueError naming the
+    key: :func:`apply_env`'s checks without touching the environment, so that a preflight can
+    refuse a mismatch (``comm.backend=nccl`` on CPU) before data preparation and the process
+    group, instead of at the process group's start."""
     dtype = _device_type(device_type)
     if cfg.backend not in _BACKENDS:
         raise ValueError(f"comm.backend={cfg.backend!r} is not one of {'|'.join(_BACKENDS)}")
     if cfg.backend == "nccl" and dtype != "cuda":
         raise ValueError("comm.backend=nccl needs CUDA but the device is cpu; use comm.backend=auto or gloo")
-    if cfg.backend == "gloo":
+    if cfg.nccl_algo is not None:
+        normalize_nccl_algo(cfg.nccl_algo)
+    return "gloo" if cfg.backend == "gloo" or dtype == "cpu" else "nccl"
+
+
+def apply_env(cfg: CommConfig, device_type: str) -> str:
+    """Set the NCCL_* variables from ``cfg`` (only when NCCL will be used) and return the backend."""
+    dtype = _device_type(device_type)
+    if check_backend(cfg, dtype) == "gloo":
         return "gloo"
     backend = configure_backend(dtype, cfg.nccl_algo)
     if backend == "nccl":
