@@ -11,28 +11,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional
 
+# TINY: a run that takes seconds, the tiny model on a slice of the built-in corpus; one list for
+# the tests and the start-up bench, which times this run
+from llama_train.bench.startup import TINY  # noqa: F401 - re-exported for the tests
 from llama_train.proc import free_port, kill_session  # free_port: re-exported for the tests
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-
-# A run that takes seconds: the tiny model on a slice of the built-in corpus.
-TINY = [
-    "model=tiny",
-    "data.max_documents=600",
-    "data.num_proc=1",
-    "trainer.seq_len=64",
-    "trainer.micro_batch=2",
-    "trainer.max_steps=6",
-    "trainer.log_every=1",
-    "trainer.eval_every=1000",
-    "trainer.eval_sequences=8",
-    "trainer.save_every=1000",
-    "sample.tokens=8",
-    "tracking.wandb.mode=disabled",
-    "tracking.console=false",
-    "deepspeed.precision=fp32",
-]
 
 
 def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
