@@ -154,6 +154,18 @@ def find_latest(root: Path, checksums: bool = True) -> Tuple[Optional[Path], Lis
     return None, warnings
 
 
+def resume_candidate(output_dir: str, resume: str) -> Optional[Path]:
+    """The checkpoint a resume will most likely load, found by reading files only (sizes, no
+    checksums): preflight compares its config with the run's before data preparation and the
+    process group. None for a fresh start. The trainer still verifies and checks what it loads."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        return Path(resume) if verify(Path(resume), checksums=False) is None else None
+    path, _ = find_latest(Path(output_dir) / "checkpoints", checksums=False)
+    return path
+
+
 def read_state(ckpt: Path) -> Dict[str, Any]:
     return json.loads((ckpt / STATE).read_text())
 

@@ -24,7 +24,7 @@ import hydra
 from omegaconf import DictConfig
 
 from llama_train.config import (BatchPlan, Config, ConfigError, config_warnings, load_config,
-                                resolve_batch, validate)
+                                resolve_batch, to_container, validate)
 from llama_train.hooks import Hook
 from llama_train.paths import CONFIG_DIR
 from llama_train.proc import exit_skipping_teardown
@@ -66,6 +66,7 @@ def preflight(cfg: Config) -> Preflight:
     from llama_train.data import check_compatible, prepare_data
     from llama_train.engine import detect_runtime
     from llama_train.faults import FaultPlan
+    from llama_train.comm import check_backend
     from llama_train.runlock import RunLock, check_not_held_by_another_job
 
     rt = detect_runtime(cfg.trainer.device)
@@ -80,19 +81,37 @@ def preflight(cfg: Config) -> Preflight:
 
         check_init_from(cfg.trainer.init_from, cfg.model)
     FaultPlan.from_env()  # a malformed LLAMA_TRAIN_FAULTS fails here, not mid-run
+    try:
+        check_backend(cfg.comm, rt.device_type)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _check_writable(cfg.trainer.output_dir)
+    check_not_held_by_another_job(cfg.trainer.output_dir)  # every rank, before the data
     _check_one_history(cfg)
+    resume_from = _check_resume_config(cfg, plan)  # files only: before data and process group
     prepared = prepare_data(cfg.data, vocab_size=cfg.model.vocab_size)
     check_compatible(prepared.meta, cfg.model.vocab_size, cfg.trainer.seq_len)
     _check_epochs(cfg, plan, prepared.meta["splits"]["train"]["tokens"], rt.rank)
     _check_prepared_tokenizer(prepared)
+    if resume_from is not None:  # the checkpoint's tokenizer against the data's, now known
+        _check_resume_config(cfg, plan, prepared.meta["tokenizer"].get("sha256"))
     # last: a refused config or data leaves no lock file behind (prepared data is found quickly)
-    if rt.rank == 0:
-        lock = RunLock(cfg.trainer.output_dir).acquire()
-    else:
-        lock = None
-        check_not_held_by_another_job(cfg.trainer.output_dir)
+    lock = RunLock(cfg.trainer.output_dir).acquire() if rt.rank == 0 else None
     return Preflight(cfg, rt, cfg.model, plan, prepared, experiment, lock)
+
+
+def _check_resume_config(cfg: Config, plan: BatchPlan, tokenizer_sha: Optional[str] = None):
+    """A resume that the trainer would refuse (another run-defining config, global batch, model
+    shape or tokenizer) is refused here, from the checkpoint's files, before data preparation
+    and the process group. Returns the checkpoint compared (None: a fresh start)."""
+    from llama_train.checkpoint import read_state, resume_candidate
+    from llama_train.trainer import check_config_changes
+
+    ckpt = resume_candidate(cfg.trainer.output_dir, cfg.trainer.resume)
+    if ckpt is not None:
+        check_config_changes(ckpt, read_state(ckpt), to_container(cfg),
+                             plan.global_batch, tokenizer_sha, cfg.trainer.allow_config_change)
+    return ckpt
 
 
 def _check_epochs(cfg: Config, plan: BatchPlan, train_tokens: int, rank: int) -> float:

@@ -176,9 +176,10 @@ class Trainer:
         if self.resume_from is None:
             return False
         saved = read_state(self.resume_from)
-        self.config_changes = _check_config_changes(
-            self.resume_from, saved, self.run_config, self.plan, self.prepared,
-            self.cfg.trainer.allow_config_change)
+        self.config_changes = check_config_changes(
+            self.resume_from, saved, self.run_config, self.plan.global_batch,
+            self.prepared.meta["tokenizer"].get("sha256"), self.cfg.trainer.allow_config_change,
+            say=self.rt.is_main)
         if saved["world_size"] != self.rt.world_size and saved["zero_stage"] > 0:
             prepare_universal(self.resume_from, self.rt.rank)
             return True
@@ -480,25 +481,29 @@ def _check_token_ids(x, y, vocab_size: int, prepared_dir: str, window_start: int
         )
 
 
-def _check_config_changes(ckpt: Path, saved_state: Dict[str, Any], run_config: Dict[str, Any],
-                          plan, prepared, allowed: Sequence[str]) -> Dict[str, List[Any]]:
+def check_config_changes(ckpt: Path, saved_state: Dict[str, Any], run_config: Dict[str, Any],
+                         global_batch: int, tokenizer_sha: Optional[str],
+                         allowed: Sequence[str], say: bool = False) -> Dict[str, List[Any]]:
     """Compare the checkpoint's config with this run's (llama_train.config.config_changes).
     Run-defining changes not in ``allowed`` refuse the resume with all of them listed; a changed
-    global batch or tokenizer always does (the data order or the token ids would not continue).
-    Returns the changes that go ahead ({key: [old, new]}), logged here and in the resume event."""
+    global batch, model shape or tokenizer always does (the data order, weights or token ids
+    would not continue). ``tokenizer_sha``: the sha256 of the tokenizer that encoded this run's
+    data, None where it is not known yet (preflight, before data preparation). Reads files
+    only, so preflight runs it before the data and the process group. Returns the changes
+    that go ahead ({key: [old, new]}), logged when ``say``."""
     from llama_train.config import config_changes
 
     cfg_file = Path(ckpt) / "config.yaml"
     saved_cfg = to_container(OmegaConf.load(cfg_file)) if cfg_file.is_file() else {}
     defining, safe = config_changes(saved_cfg, run_config)
     hard = []
-    if saved_state["global_batch"] != plan.global_batch:
+    if saved_state["global_batch"] != global_batch:
         hard.append(("global batch (sequences per step, as resolved)",
-                     saved_state["global_batch"], plan.global_batch))
+                     saved_state["global_batch"], global_batch))
     theirs = Path(ckpt) / "tokenizer.model"
-    ours = prepared.meta["tokenizer"].get("sha256")
-    if theirs.is_file() and ours and file_sha256(theirs) != ours:
-        hard.append(("tokenizer sha256 (of the data)", file_sha256(theirs)[:12], ours[:12]))
+    if theirs.is_file() and tokenizer_sha and file_sha256(theirs) != tokenizer_sha:
+        hard.append(("tokenizer sha256 (of the data)", file_sha256(theirs)[:12],
+                     tokenizer_sha[:12]))
     shape = _shape_change(saved_cfg.get("model"), run_config["model"])
     if shape:  # no allow_config_change can load these weights
         hard.append(("model shape (the checkpoint's weights would not load)",
@@ -523,7 +528,7 @@ def _check_config_changes(ckpt: Path, saved_state: Dict[str, Any], run_config: D
         raise ConfigError(f"checkpoint {ckpt} was trained with another run-defining config: "
                           f"{listed}. Nothing was changed. {'; '.join(fix)}.")
     go = {k: [old, new] for k, old, new in [*safe, *defining]}
-    if go and dist.get_rank() == 0:
+    if go and say:
         log.warning("resuming %s with changed settings: %s", ckpt,
                     "; ".join(f"{k}: {v[0]!r} -> {v[1]!r}{'' if (k, *v) in safe else ' (allowed)'}"
                               for k, v in go.items()))

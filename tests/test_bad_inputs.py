@@ -235,3 +235,60 @@ def test_multirun_jobs_get_their_own_directories(tmp_path, monkeypatch, capsys):
         steps = [json.loads(line)["step"] for line in (d / "metrics.jsonl").read_text()
                  .splitlines() if "loss" in json.loads(line)]
         assert steps == [1, 2, 3, 4], (d.name, steps)
+
+
+def test_refusals_come_before_the_data_and_the_process_group(finished, monkeypatch, capsys,
+                                                             tmp_path):
+    """What can be checked from the config and the files is checked before data preparation and
+    the process group (which can take minutes on a new corpus or a big job): a backend this
+    machine lacks, a resume the checkpoint's config refuses, a directory another job holds."""
+    import os
+    import subprocess
+    import time
+
+    import torch.distributed as dist
+
+    import llama_train.data as data_mod
+
+    work, out = finished
+    reached = []
+
+    def no_prepare(*a, **k):
+        reached.append("prepare_data")
+        raise RuntimeError("data preparation reached")
+
+    monkeypatch.setattr(data_mod, "prepare_data", no_prepare)
+    run = [f"trainer.output_dir={out}"]
+    cases = [
+        ("resume with another lr", run + ["optim.lr=1e-3"], ["optim.lr"]),
+        ("resume with another shape", run + ["model.dim=256"], ["model shape"]),
+        ("resume with another global batch", run + ["trainer.micro_batch=4"],
+         ["global batch", "2 -> 4"]),
+        ("explicit resume, another seed",
+         [f"trainer.resume={out / 'checkpoints' / 'step_00000006'}", "trainer.seed=7",
+          f"trainer.output_dir={tmp_path / 'fresh'}"], ["trainer.seed"]),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(("nccl on a CPU machine", ["comm.backend=nccl",
+                                                f"trainer.output_dir={tmp_path / 'x'}"],
+                      ["comm.backend=nccl", "gloo"]))
+    locked = tmp_path / "locked"
+    hold = ("import sys, time; from llama_train.runlock import RunLock; "
+            "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(locked)], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "MASTER_ADDR": "10.9.9.9"})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        cases.append(("a directory another job holds", [f"trainer.output_dir={locked}"],
+                      [f"pid {holder.pid}"]))
+        for name, argv, fragments in cases:
+            t0 = time.monotonic()
+            code, text = llama_train([*TINY, *argv], monkeypatch, capsys)
+            errors = [line for line in text.splitlines() if line.startswith("llama-train: error:")]
+            assert code == 2 and len(errors) == 1 and "Traceback" not in text, (name, text[-2000:])
+            assert all(f in errors[0] for f in fragments), (name, errors)
+            assert not reached and not dist.is_initialized(), (name, reached)
+            print(f"{name}: refused in {time.monotonic() - t0:.2f} s")
+    finally:
+        holder.kill()
+        holder.wait()
