@@ -81,6 +81,9 @@ class TrainerConfig:
     # The evaluation set: the first eval_sequences windows of the val split, each evaluated once
     # (split across ranks): the same set whatever the micro-batch, world size or ZeRO stage.
     eval_sequences: int = 32
+    # Packed windows hold several documents (each ends with EOS): true = a token attends only
+    # to earlier tokens of its own document (LLaMA 3), false = to every earlier token.
+    document_mask: bool = False
     save_every: int = 100
     keep_last: int = 3
     resume: str = "auto"  # auto | never | <checkpoint path>
@@ -493,6 +496,13 @@ def unknown_key_message(key: str) -> str:
             f"its value).")
 
 
+def _list_entry_types() -> list:
+    """The dataclasses that appear as list entries in the config (data.mixture's)."""
+    from llama_train.data.mixture import MixtureEntry
+
+    return [MixtureEntry]
+
+
 def explain_composition_error(e: BaseException) -> Optional[str]:
     """Hydra's error for a command line it could not compose, as one message that names the
     key and the fix; None for anything else."""
@@ -519,6 +529,17 @@ def explain_composition_error(e: BaseException) -> Optional[str]:
                 f"--multirun) is key=a,b.")
     if isinstance(e, ConfigCompositionException) and isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         m = re.search(r"override '([^']+)'", first)
+        inner = re.search(r"Key '([^']+)' not in '(\w+)'", str(cause))
+        typ = next((t for t in _list_entry_types() if inner and t.__name__ == inner.group(2)),
+                   None)
+        if m and typ is not None:  # a key inside an entry of a list (data.mixture)
+            import dataclasses
+
+            valid = [f.name for f in dataclasses.fields(typ)]
+            near = difflib.get_close_matches(inner.group(1), valid, n=1)
+            return (f"{m.group(1)}: unknown key {inner.group(1)!r} in an entry"
+                    + (f"; did you mean {near[0]}?" if near else "")
+                    + f" Valid keys: {', '.join(valid)}.")
         return unknown_key_message(m.group(1) if m else str(cause.full_key))
     if isinstance(e, ConfigCompositionException) and isinstance(cause, ValidationError):
         m = re.search(r"override (\S+)", first)

@@ -391,8 +391,8 @@ class Engine:
         """The plain model (no engine or compile prefixes ever reach a checkpoint)."""
         return unwrap(self.ds)
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor):
-        return self.ds(x, y)
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, **kwargs):
+        return self.ds(x, y, **kwargs)  # kwargs: the model's, e.g. doc_ids
 
     def train(self) -> None:
         self.ds.train()

@@ -17,6 +17,11 @@ Hugging Face/NeoX "half-split" pairs (x_i, x_{i+hd/2})) so that weights stay in 
 layout together with the reference names: a Meta ``consolidated.pth`` maps onto this model by name
 alone, and exactly one place, ``llama_train.hf``, permutes the rows of ``wq``/``wk`` for
 Hugging Face. Both conventions compute the same function once the rows are permuted.
+
+Document masking (LLaMA 3): a packed window holds several documents back to back, each ending
+with EOS. ``Transformer.forward(..., doc_ids=document_ids(tokens, eos_id))`` lets a token attend
+only to earlier tokens of its own document. Positions are not reset per document: RoPE scores
+depend only on the distance between query and key, so a document scores the same at any offset.
 """
 
 from __future__ import annotations
@@ -321,6 +326,49 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     return _CrossEntropy.apply(logits, targets, ignore_index)
 
 
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B, T) tokens -> (B, T) long id of the document each position belongs to, for ``doc_ids``.
+
+    Documents are numbered 0, 1, ... from the start of each row; an EOS belongs to the document it
+    ends (exclusive cumulative sum of ``tokens == eos_id``), so it never sees the next document
+    and the next document's first token is still predicted from it.
+    """
+    eos = (tokens == eos_id).long()
+    return eos.cumsum(-1) - eos
+
+
+def document_mask(doc_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(B, T) document ids -> additive (B, 1, T, T) SDPA mask: 0 where query i may attend key j
+    (j <= i, same document), -inf elsewhere.
+
+    Additive in the compute dtype rather than boolean: SDPA converts a boolean mask to exactly
+    this in every call, i.e. once per layer, and the fused kernels save the converted copy for
+    backward; one tensor built here is shared by all layers. Every row keeps its diagonal, so no
+    row is fully masked (no NaN).
+    """
+    if doc_ids.dim() != 2:
+        raise ValueError(f"doc_ids must be (batch, seq_len), got shape {tuple(doc_ids.shape)}")
+    T = doc_ids.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
+    allowed = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal  # (B, T, T)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
+    return mask.masked_fill_(~allowed, float("-inf"))[:, None]  # (B, 1, T, T)
+
+
+# SDPA device types that get K/V heads repeated for a masked GQA call. CUDA's flash kernel takes
+# no mask, and its memory-efficient kernel (the fused one that does) accepted only equal head
+# counts until recently (pytorch#191085, 2026): there, enable_gqa with a mask silently falls back
+# to the math kernel, which materialises (B, H, T, T) scores. The CPU flash kernel takes both.
+_MASKED_GQA_EXPANDS_KV = ("cuda",)
+
+
+def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """(B, KV, S, hd) -> (B, KV * rep, S, hd), head j serving query heads j*rep .. j*rep+rep-1
+    (the grouping ``enable_gqa`` uses)."""
+    B, KV, S, hd = x.shape
+    return x[:, :, None].expand(B, KV, rep, S, hd).reshape(B, KV * rep, S, hd)
+
+
 class KVCache:
     """Per-layer key/value buffers for incremental decoding.
 
@@ -350,7 +398,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q, args.dim, bias=False, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None, start_pos: int = 0) -> torch.Tensor:
+                cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None, start_pos: int = 0,
+                doc_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``doc_mask``: the additive (B, 1, T, T) mask of :func:`document_mask`, replacing the
+        causal mask (it is causal itself); not with ``cache``."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -374,11 +425,17 @@ class Attention(nn.Module):
             elif T == 1:
                 causal = False  # one new token sees the whole prefix
 
+        gqa = self.n_kv_heads != self.n_heads
+        if doc_mask is not None:
+            mask, causal = doc_mask.to(q.dtype), False  # a no-op unless under autocast
+            if gqa and q.device.type in _MASKED_GQA_EXPANDS_KV:
+                rep = self.n_heads // self.n_kv_heads
+                k, v, gqa = _repeat_kv(k, rep), _repeat_kv(v, rep), False  # (B, H, T, hd)
         if _SDPA_HAS_GQA:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                 enable_gqa=self.n_kv_heads != self.n_heads)
+                                                 enable_gqa=gqa)
         else:  # pragma: no cover - torch < 2.5
-            rep = self.n_heads // self.n_kv_heads
+            rep = self.n_heads // k.size(1)  # 1 if already repeated for a mask
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*hd)
@@ -410,8 +467,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None, start_pos: int = 0) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
+                cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None, start_pos: int = 0,
+                doc_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos, doc_mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -509,16 +567,30 @@ class Transformer(nn.Module):
         return KVCache(self.args, batch_size, max_len, device=w.device, dtype=dtype or w.dtype)
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
-                start_pos: int = 0, kv_cache: Optional[KVCache] = None):
+                start_pos: int = 0, kv_cache: Optional[KVCache] = None,
+                doc_ids: Optional[torch.Tensor] = None):
         """tokens (B, T) -> logits (B, T, V) in fp32, or ``(logits, loss)`` when targets are given.
 
         Loss is the mean cross-entropy over targets != -100. For incremental decoding pass a
         ``kv_cache`` from ``new_kv_cache`` and ``start_pos`` = number of tokens already in it; the
         new tokens sit at positions ``start_pos .. start_pos + T - 1``.
+
+        ``doc_ids`` (B, T), e.g. ``document_ids(tokens, eos_id)``: a token attends only to earlier
+        tokens with the same id (document masking of packed windows). Without it attention is
+        plain causal. Training/scoring only: refused with ``kv_cache``.
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq_len), got shape {tuple(tokens.shape)}")
         B, T = tokens.shape
+        if doc_ids is not None:
+            if kv_cache is not None:
+                raise ValueError(
+                    "doc_ids (document masking) cannot be combined with kv_cache: the cache serves "
+                    "incremental decoding of one sequence per row; pass doc_ids only to full "
+                    "forwards (training, scoring) and decode without it")
+            if tuple(doc_ids.shape) != (B, T):
+                raise ValueError(f"doc_ids must have the shape of tokens {(B, T)}, got "
+                                 f"{tuple(doc_ids.shape)}")
         end = start_pos + T
         limit = self.args.max_seq_len if kv_cache is None else min(kv_cache.max_len, self.args.max_seq_len)
         if start_pos < 0 or end > limit:
@@ -528,10 +600,17 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]  # (T, hd/2)
 
         h = self.tok_embeddings(tokens)  # (B, T, D)
+        # Built once here and shared by every layer (one tensor saved for backward, not n_layers).
+        doc_mask = None if doc_ids is None else document_mask(doc_ids, dtype=h.dtype)  # (B, 1, T, T)
         ckpt = self.args.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             if kv_cache is not None:
                 h = layer(h, cos, sin, (kv_cache.k[i], kv_cache.v[i]), start_pos)
+            elif doc_mask is not None:
+                if ckpt:
+                    h = checkpoint(layer, h, cos, sin, None, 0, doc_mask, use_reentrant=False)
+                else:
+                    h = layer(h, cos, sin, None, 0, doc_mask)
             elif ckpt:
                 h = checkpoint(layer, h, cos, sin, use_reentrant=False)
             else:

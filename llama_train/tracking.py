@@ -254,6 +254,11 @@ class Tracker:
         self.lines += 1
         if "event" in metrics:
             return  # event() sends its own counters
+        # a dict of numbers (mixture_tokens: {source: tokens}) goes to the dashboards as
+        # one series per key, <name>/<key>
+        metrics = {**{k: v for k, v in metrics.items() if not isinstance(v, dict)},
+                   **{f"{k}/{kk}": vv for k, v in metrics.items() if isinstance(v, dict)
+                      for kk, vv in v.items()}}
         if self._wandb is not None:
             self._wandb.log({"step": step, **{k: v for k, v in metrics.items()
                                               if isinstance(v, (int, float))}})

@@ -91,7 +91,7 @@ def preflight(cfg: Config) -> Preflight:
     resume_from = _check_resume_config(cfg, plan)  # files only: before data and process group
     prepared = prepare_data(cfg.data, vocab_size=cfg.model.vocab_size)
     check_compatible(prepared.meta, cfg.model.vocab_size, cfg.trainer.seq_len)
-    _check_epochs(cfg, plan, prepared.meta["splits"]["train"]["tokens"], rt.rank)
+    _check_epochs(cfg, plan, prepared.meta, rt.rank)
     _check_prepared_tokenizer(prepared)
     if resume_from is not None:  # the checkpoint's tokenizer against the data's, now known
         _check_resume_config(cfg, plan, prepared.meta["tokenizer"].get("sha256"))
@@ -114,11 +114,24 @@ def _check_resume_config(cfg: Config, plan: BatchPlan, tokenizer_sha: Optional[s
     return ckpt
 
 
-def _check_epochs(cfg: Config, plan: BatchPlan, train_tokens: int, rank: int) -> float:
-    """How many times the run reads the train split: said at start; for a scaling experiment
-    (whose law assumes fresh tokens) a warning above 1 and a refusal above scaling.max_epochs."""
-    epochs = cfg.trainer.max_steps * plan.tokens_per_step / max(1, train_tokens)
-    what = (f"{cfg.trainer.max_steps} steps x {plan.tokens_per_step:,} tokens read the train split "
+def _check_epochs(cfg: Config, plan: BatchPlan, meta: dict, rank: int) -> float:
+    """How many times the run reads the train split (data.mixture: the source read most often,
+    by its weight): said at start; for a scaling experiment (whose law assumes fresh tokens) a
+    warning above 1 and a refusal above scaling.max_epochs."""
+    tokens = cfg.trainer.max_steps * plan.tokens_per_step
+    train_tokens, split = meta["splits"]["train"]["tokens"], "the train split"
+    epochs = tokens / max(1, train_tokens)
+    if "sources" in meta:  # a mixture
+        total = sum(s["weight"] for s in meta["sources"])
+        each = {s["name"]: (tokens * s["weight"] / total / max(1, s["train_tokens"]),
+                            s["train_tokens"]) for s in meta["sources"]}
+        name = max(each, key=lambda n: each[n][0])
+        epochs, train_tokens = each[name]
+        split = f"source {name} (by its weight)"
+        if rank == 0:
+            log.info("data.mixture epochs: %s", ", ".join(f"{n} {e:.3g}"
+                                                         for n, (e, _) in each.items()))
+    what = (f"{cfg.trainer.max_steps} steps x {plan.tokens_per_step:,} tokens read {split} "
             f"({train_tokens:,} tokens) {epochs:.3g} times")
     if cfg.scaling.mode == "none" or epochs <= 1:
         if rank == 0:

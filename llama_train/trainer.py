@@ -29,11 +29,11 @@ from llama_train import watchdog
 from llama_train.checkpoint import (CheckpointManager, prepare_universal, read_state, rng_state,
                                     set_rng_state)
 from llama_train.config import ConfigError, to_container
-from llama_train.data import DataError, Tokenizer, TrainLoader, eval_set
+from llama_train.data import DataError, Tokenizer, TrainLoader, eval_sets
 from llama_train.data.tokenizer import file_sha256
 from llama_train.faults import FaultInjector
 from llama_train.hooks import Hook
-from llama_train.model import count_params, flops_per_token
+from llama_train.model import count_params, document_ids, flops_per_token
 from llama_train.optim import lr_at, param_groups
 from llama_train.recovery import Recovery
 from llama_train.tracking import Tracker
@@ -166,6 +166,8 @@ class Trainer:
         self.val_loss: Optional[float] = None
         # data.val_fraction=0: no validation split, so no evaluation (said once at start)
         self.has_val = self.prepared.meta["splits"].get("val", {}).get("tokens", 0) > 0
+        self.eos_id = int(self.prepared.meta["tokenizer"]["eos_id"])  # documents end with it
+        self.source_epochs = self.loader.mixture_epochs()  # data.mixture: noted as they change
         self._log_start(precision)
 
     def _check_resume_point(self) -> bool:
@@ -244,6 +246,7 @@ class Trainer:
                 self.losses[s.step] = out.loss
                 self.interval.add(out)
                 metrics = self.log_step(out)
+                self._note_source_epochs()
                 if self.has_val and (s.step % t.eval_every == 0 or s.step == t.max_steps):
                     self.evaluate()
                 run_done = (t.steps_this_run is not None
@@ -296,7 +299,7 @@ class Trainer:
             _check_token_ids(x, y, self.model_args.vocab_size, self.prepared.dir, window_start)
             x = x.to(self.rt.device, non_blocking=True)
             y = y.to(self.rt.device, non_blocking=True)
-            _, loss = self.engine(x, y)
+            _, loss = self.engine(x, y, **self._masking(x))
             for h in self.hooks:
                 loss = h.on_loss(batch_no, loss)
             self.engine.backward(loss)
@@ -314,6 +317,26 @@ class Trainer:
                                       window_start, batch_no)
         return StepOutput(loss, lr, result, seconds, data_wait, verdict, stop_requested,
                           self.loader.consumed_samples)
+
+    def _note_source_epochs(self) -> None:
+        """data.mixture: a source that ran out starts its next epoch (its own reshuffle); say
+        so, in the log and as a ``source_epoch`` event in the metrics."""
+        now = self.loader.mixture_epochs()
+        if now is None or now == self.source_epochs:
+            return
+        for name, epoch in now.items():
+            if epoch > self.source_epochs.get(name, 0):
+                if self.rt.is_main:
+                    log.info("data.mixture: source %s was read through; it starts epoch %d at "
+                             "step %d", name, epoch, self.state.step)
+                self.tracker.event(self.state.step, "source_epoch", source=name, epoch=epoch)
+        self.source_epochs = now
+
+    def _masking(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """trainer.document_mask: the forward's ``doc_ids`` (B, T), documents ending at EOS."""
+        if not self.cfg.trainer.document_mask:
+            return {}
+        return {"doc_ids": document_ids(x, self.eos_id)}
 
     def _all_ranks(self, loss_sum: torch.Tensor, stop: Optional[StopSignals]):
         """One small all-reduce per step: the mean loss (NaN if any rank saw a non-finite one),
@@ -339,6 +362,9 @@ class Trainer:
         metrics = {"loss": out.loss, "lr": out.lr, "grad_norm": grad_norm, "tokens": s.tokens,
                    **speed, "mfu": mfu, "skipped_steps": s.skipped_steps,
                    **eng.memory_stats(self.rt.device)}
+        mixture = self.loader.mixture_tokens()
+        if mixture is not None:  # data.mixture: cumulative tokens per source
+            metrics["mixture_tokens"] = mixture
         self.tracker.log(s.step, metrics)
         if mfu > 1.0 and not self._said_mfu and self.rt.is_main:
             self._said_mfu = True
@@ -356,29 +382,45 @@ class Trainer:
     def evaluate(self) -> float:
         """The mean loss per token over the evaluation set (``trainer.eval_sequences`` windows
         of the validation split, each evaluated once by one rank: EvalSet), so the number does
-        not depend on the micro-batch, world size or ZeRO stage."""
+        not depend on the micro-batch, world size or ZeRO stage. With data.mixture: each
+        source's (``val_loss/<name>``, its share of the windows by weight) and the weighted
+        mean of them (``val_loss``, the mixture's loss)."""
         t, rt = self.cfg.trainer, self.rt
         t0 = time.perf_counter()
         self.engine.eval()
-        total = torch.zeros(2, dtype=torch.float64)  # [sum of token losses, tokens]
+        sets = eval_sets(self.prepared.dir, t.seq_len, t.micro_batch, t.eval_sequences, rt.rank,
+                         rt.world_size)
+        total = torch.zeros(len(sets), 2, dtype=torch.float64)  # per set: [loss sum, tokens]
         with torch.no_grad(), watchdog.phase("eval"):
-            for x, y in eval_set(self.prepared.dir, t.seq_len, t.micro_batch, t.eval_sequences,
-                                 rt.rank, rt.world_size):
-                _, loss = self.engine(x.to(rt.device), y.to(rt.device))  # mean over valid targets
-                n = int((y != -100).sum())
-                if n:
-                    total += torch.tensor([loss.double().item() * n, n], dtype=torch.float64)
+            for i, (_, _, batches) in enumerate(sets):
+                for x, y in batches:
+                    x = x.to(rt.device)
+                    _, loss = self.engine(x, y.to(rt.device), **self._masking(x))  # token mean
+                    n = int((y != -100).sum())
+                    if n:
+                        total[i] += torch.tensor([loss.double().item() * n, n],
+                                                 dtype=torch.float64)
         total = total.to(rt.device)
         dist.all_reduce(total)
         self.engine.train()
-        loss_sum, tokens = total.cpu().tolist()
-        self.val_loss = loss_sum / max(tokens, 1.0)
+        per_set = total.cpu().tolist()
+        losses = [ls / max(n, 1.0) for ls, n in per_set]
+        tokens = int(sum(n for _, n in per_set))
+        metrics: Dict[str, Any] = {}
+        if sets[0][0] is None:
+            self.val_loss = losses[0]
+        else:  # the mixture's loss: the sources' losses weighted as training draws them
+            weights = [w for _, w, _ in sets]
+            self.val_loss = sum(w * v for w, v in zip(weights, losses)) / sum(weights)
+            metrics = {f"val_loss/{name}": v for (name, _, _), v in zip(sets, losses)}
+            metrics["mixture_tokens"] = self.loader.mixture_tokens()
         ppl = math.exp(min(self.val_loss, 50.0))
         seconds = time.perf_counter() - t0
-        self.tracker.log(self.state.step, {"val_loss": self.val_loss, "val_ppl": ppl,
-                                           "val_tokens": int(tokens), "val_time_s": seconds})
-        log.info("step %5d | val_loss %.4f | val_ppl %.2f | %d tokens in %.1fs", self.state.step,
-                 self.val_loss, ppl, int(tokens), seconds)
+        self.tracker.log(self.state.step, {"val_loss": self.val_loss, "val_ppl": ppl, **metrics,
+                                           "val_tokens": tokens, "val_time_s": seconds})
+        log.info("step %5d | val_loss %.4f | val_ppl %.2f | %d tokens in %.1fs%s",
+                 self.state.step, self.val_loss, ppl, tokens, seconds,
+                 "".join(f" | {k} {v:.4f}" for k, v in metrics.items() if k.startswith("val_")))
         return self.val_loss
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -423,6 +465,7 @@ class Trainer:
         self.state.load_state_dict(saved)
         self.loader.load_state_dict(saved["data"])
         self.data_iter = iter(self.loader)
+        self.source_epochs = self.loader.mixture_epochs()
         if rank_state and not universal:
             set_rng_state(rank_state["rng"])
         return saved

@@ -99,6 +99,19 @@ def _cases(work: Path, out: Path):
         ("heads do not divide dim", ["model.dim=100", "model.n_heads=3"], 2, ["model.n_heads"]),
         ("missing data", ["data.source=/no/such/corpus.jsonl"], 2, ["/no/such/corpus.jsonl"]),
         ("malformed fault spec", ["LLAMA_TRAIN_FAULTS=explode:step=1"], 2, ["unknown fault"]),
+        ("mixture: a negative weight", ["data.mixture=[{name:a,source:builtin,weight:-1}]"],
+         2, ["data.mixture[0] (a): weight=-1"]),
+        ("mixture: all weights 0", ["data.mixture=[{name:a,source:builtin,weight:0},"
+                                    "{name:b,source:builtin,weight:0}]"], 2,
+         ["all 2 weights are 0"]),
+        ("mixture: one name twice", ["data.mixture=[{name:a,source:builtin},"
+                                     "{name:a,source:builtin}]"], 2,
+         ["data.mixture[1] (a): name 'a' is also data.mixture[0]'s"]),
+        ("mixture: a typo in an entry", ["data.mixture=[{name:a,sourse:builtin}]"], 2,
+         ["unknown key 'sourse'", "did you mean source?"]),
+        ("mixture: a missing source", ["data.mixture=[{name:a,source:builtin},"
+                                       "{name:web,source:/no/such/web.jsonl}]"], 2,
+         ["data.mixture[1] (web", "/no/such/web.jsonl"]),
         # -- the machine --
         ("cuda without a GPU", ["trainer.device=cuda"], 2, ["trainer.device=cuda", "auto"]),
         ("output_dir under a file", [f"trainer.output_dir={notes}/out"], 2,

@@ -9,8 +9,8 @@ A stopped rank ends with exit status 5 (the survivor's); a killed one with the l
 for the killed rank (it reports the first rank it finds dead, and that is the killed one).
 
 Cases run a few at a time (CI time: each waits ``comm.timeout_s`` mostly idle). The default set
-covers every ZeRO stage with SIGSTOP of rank 1 (the survivor sees its heartbeat stop) and SIGKILL
-of rank 0 (the survivor loses the store's host), plus eval, save and load;
+covers every ZeRO stage once, SIGSTOP of rank 1 (the survivor sees its heartbeat stop) and SIGKILL
+of rank 0 (the survivor loses the store's host) each at two stages, plus eval, save and load;
 ``LLAMA_TRAIN_HANG_MATRIX=full`` runs all 16 stage x signal x rank combinations (and the three
 phase cases).
 """
@@ -51,7 +51,10 @@ class Case:
 
 
 PHASES = [Case(2, "stop", 1, "eval"), Case(3, "stop", 0, "save"), Case(2, "stop", 1, "load")]
-DEFAULT = [Case(s, "stop", 1) for s in range(4)] + [Case(s, "kill", 0) for s in range(4)] + PHASES
+# each ZeRO stage once, each signal at two stages (SIGSTOP of rank 1, SIGKILL of rank 0), and
+# the three phases: 7 cases, two waves of PARALLEL (the 16-case matrix: LLAMA_TRAIN_HANG_MATRIX)
+DEFAULT = [Case(0, "stop", 1), Case(1, "kill", 0), Case(2, "kill", 0), Case(3, "stop", 1),
+           *PHASES]
 FULL = [Case(s, how, r) for s in range(4) for how in ("stop", "kill") for r in (0, 1)] + PHASES
 
 

@@ -11,6 +11,7 @@ BENCHES = {
     "train": "llama_train.bench.train",
     "memory": "llama_train.bench.memory",
     "startup": "llama_train.bench.startup",
+    "docmask": "llama_train.bench.docmask",
 }
 
 

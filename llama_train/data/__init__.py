@@ -26,6 +26,7 @@ _EXPORTS = {
     "check_compatible": ".meta",
     "TrainLoader": ".loader",
     "eval_set": ".loader",
+    "eval_sets": ".loader",
     "builtin_corpus": ".corpus",
 }
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from .config import DataConfig
     from .corpus import builtin_corpus
     from .errors import DataError
-    from .loader import TrainLoader, eval_set
+    from .loader import TrainLoader, eval_set, eval_sets
     from .meta import check_compatible, read_meta
     from .packed import PackedTokens
     from .prepare import PreparedData, find_prepared, prepare_data

@@ -3,6 +3,7 @@
     llama-data train-tokenizer --source builtin --vocab-size 8192 --out tok/llama8k
     llama-data prepare --source 'data/*.jsonl' --vocab-size 8192 --num-proc 2
     llama-data prepare --config configs/data/local_files.yaml --tokenizer tok/llama8k.model
+    llama-data prepare --config configs/data/mixture.yaml --vocab-size 8192   (data.mixture)
     llama-data info ~/.cache/llama_train/builtin-0123456789 --verify
 
 Every `prepare` option is a DataConfig field (same names as configs/data/*.yaml, with dashes).
@@ -48,7 +49,7 @@ def _none_or(conv):
 def add_config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One --option per DataConfig field (default: unset, so --config/yaml values survive)."""
     for f in dataclasses.fields(DataConfig):
-        if f.name in skip:
+        if f.name in skip or f.name == "mixture":  # a list of entries: from --config's yaml
             continue
         base, optional = _field_type(f)
         flag = "--" + f.name.replace("_", "-")
@@ -111,7 +112,9 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         "tokenizer_sha256": m["tokenizer"]["sha256"],
         "vocab_size": m["vocab_size"],
         "dtype": m["dtype"],
-        "documents": m["documents"],
+        **({"documents": m["documents"]} if "documents" in m else {}),
+        **({"sources": [{k: s[k] for k in ("name", "weight", "dir", "train_tokens")}
+                        for s in m["sources"]]} if "sources" in m else {}),
         "tokens": {s: v["tokens"] for s, v in m["splits"].items()},
         "seconds": round(time.perf_counter() - t0, 2),
     }, indent=1))
@@ -119,8 +122,18 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from .mixture import read_mixture_meta
     from .packed import PackedTokens
 
+    mixture = read_mixture_meta(args.dir)
+    if mixture is not None:  # data.mixture: the mixture, then each source's own info
+        print(json.dumps({"dir": args.dir, "mixture": [
+            {"name": s["name"], "weight": s["weight"], "dir": s["dir"]}
+            for s in mixture["sources"]], "tokenizer_sha256": mixture["tokenizer"]["sha256"]},
+            indent=1))
+        for s in mixture["sources"]:
+            _cmd_info(argparse.Namespace(**{**vars(args), "dir": s["dir"]}))
+        return 0
     splits = {}
     meta = None
     for split in ("train", "val"):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 from .errors import DataError
+from .mixture import MixtureEntry, as_entries, check_entries
 
 DTYPES = ("auto", "uint16", "uint32")
 SAMPLE_BY = ("document", "paragraph", "line")
@@ -27,6 +28,11 @@ class DataConfig:
     source: str = "builtin"
     """`builtin` (Python docs + stdlib docstrings/comments), a HF hub dataset name, or a local
     file / directory / glob of .txt, .jsonl, .json or .parquet files."""
+    mixture: List[MixtureEntry] = field(default_factory=list)
+    """Several sources at set proportions, in place of `source`: a list of `{name, source,
+    weight}` (optional per entry: text_column, hub_config, split). One tokenizer for all (given,
+    or trained on the mixture in proportion to the weights); each source prepared into its own
+    shards; training windows drawn in proportion to the weights (llama_train.data.mixture)."""
     hub_config: Optional[str] = None
     """Hub dataset configuration name (the second argument of `datasets.load_dataset`)."""
     split: str = "train"
@@ -67,9 +73,12 @@ class DataConfig:
     (PackedTokens; data prepared before block checksums: each shard's sha256 instead)."""
 
     def __post_init__(self) -> None:
+        self.mixture = as_entries(self.mixture)
         self.validate()
 
     def validate(self) -> None:
+        if self.mixture:
+            check_entries(as_entries(self.mixture))
         if not self.source:
             raise DataError("data.source is empty: set it to 'builtin', a hub name or a local path")
         if self.dtype not in DTYPES:

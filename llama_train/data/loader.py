@@ -122,6 +122,50 @@ class _Windows:
         return self.read(self.window_ids(samples))
 
 
+class _MixtureWindows:
+    """Global sample ids -> windows of a mixture's sources (data/mixture.py): sample k reads
+    window ``perm_s(i)`` of source s, where (s, i) = Allocation.assign(k) and each source runs
+    its own epochs of its own shuffle."""
+
+    def __init__(self, meta: dict, seq_len: int, seed: int, split: str = "train",
+                 verify: bool = False):
+        from .mixture import Allocation, source_seed
+
+        self.names = [s["name"] for s in meta["sources"]]
+        self.weights = [float(s["weight"]) for s in meta["sources"]]
+        self.parts = []
+        for s in meta["sources"]:
+            tokens = PackedTokens(s["dir"], split, verify=verify)
+            if s["weight"] > 0 and len(tokens) < seq_len + 1:
+                raise DataError(f"data.mixture source {s['name']!r}: its {split!r} split has "
+                                f"{len(tokens)} tokens, fewer than seq_len+1={seq_len + 1} for "
+                                f"one window: lower seq_len or give it more data")
+            self.parts.append(_Windows(tokens, seq_len, source_seed(seed, s["name"]))
+                              if len(tokens) > seq_len else None)
+        self.alloc = Allocation(self.weights, seed)
+        self.seq_len = seq_len
+        self.n = sum(p.n for p, w in zip(self.parts, self.weights) if w > 0)
+
+    def __getitem__(self, samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        src, idx = self.alloc.assign(np.asarray(samples, dtype=np.int64))
+        x = torch.empty(len(src), self.seq_len, dtype=torch.int64)
+        y = torch.empty_like(x)
+        for s in np.unique(src):
+            sel = np.flatnonzero(src == s)
+            part = self.parts[int(s)]
+            x[sel], y[sel] = part.read(part.window_ids(idx[sel]))
+        return x, y  # (B, seq_len) each
+
+    def counts(self, samples: int) -> dict:
+        """Windows each source gave to the first ``samples`` global samples."""
+        return dict(zip(self.names, self.alloc.counts(samples)))
+
+    def epochs(self, samples: int) -> dict:
+        """The epoch each (weighted) source is in after ``samples`` global samples."""
+        return {n: c // p.n for (n, c), p in zip(self.counts(samples).items(), self.parts)
+                if p is not None and c > 0}
+
+
 class _RankSampler:
     """Infinite stream of this rank's micro-batches, as arrays of global sample ids."""
 
@@ -177,21 +221,32 @@ class TrainLoader:
                 f"data-parallel world size {dp_world} = {micro_batch * dp_world}: change "
                 "global_batch or micro_batch so that global_batch = micro_batch x world x grad_accum"
             )
-        self.tokens = PackedTokens(prepared_dir, split, verify=verify)
-        if len(self.tokens) < seq_len + 1:
-            raise DataError(
-                f"the {split!r} split of {prepared_dir} has {len(self.tokens)} tokens, fewer than "
-                f"seq_len+1={seq_len + 1} needed for one window: lower seq_len or use more data"
-            )
+        from .mixture import read_mixture_meta
+
+        self.prepared_dir = str(prepared_dir)
         self.seq_len, self.seed = int(seq_len), int(seed)
         self.global_batch, self.micro_batch = int(global_batch), int(micro_batch)
         self.dp_rank, self.dp_world = int(dp_rank), int(dp_world)
-        # identity of the token stream itself (not of paths or mtimes): the same data prepared
-        # elsewhere, or with another shard size, resumes exactly
-        info = self.tokens.meta["splits"][split]
-        self.fingerprint = info.get("sha256") or self.tokens.meta["fingerprint"]
+        mixture = read_mixture_meta(prepared_dir)
+        self.mixture: Optional[_MixtureWindows] = None
+        if mixture is not None:  # data.mixture: windows drawn from several sources by weight
+            self.tokens = None
+            self._windows = self.mixture = _MixtureWindows(mixture, self.seq_len, self.seed,
+                                                           split, verify)
+            self.fingerprint = mixture["stream_fingerprint"]
+        else:
+            self.tokens = PackedTokens(prepared_dir, split, verify=verify)
+            if len(self.tokens) < seq_len + 1:
+                raise DataError(
+                    f"the {split!r} split of {prepared_dir} has {len(self.tokens)} tokens, fewer "
+                    f"than seq_len+1={seq_len + 1} needed for one window: lower seq_len or use "
+                    f"more data")
+            # identity of the token stream itself (not of paths or mtimes): the same data
+            # prepared elsewhere, or with another shard size, resumes exactly
+            info = self.tokens.meta["splits"][split]
+            self.fingerprint = info.get("sha256") or self.tokens.meta["fingerprint"]
+            self._windows = _Windows(self.tokens, self.seq_len, self.seed)
         self.consumed_samples = 0
-        self._windows = _Windows(self.tokens, self.seq_len, self.seed)
         self._sampler = _RankSampler(self.global_batch, self.micro_batch, self.dp_rank, self.dp_world)
         pin = bool(pin_memory) and torch.cuda.is_available()
         self._loader = DataLoader(
@@ -228,6 +283,16 @@ class TrainLoader:
     @property
     def epoch(self) -> int:
         return self.consumed_samples // self.num_windows
+
+    def mixture_tokens(self) -> Optional[dict]:
+        """data.mixture: tokens each source has given to the steps so far ({name: tokens})."""
+        if self.mixture is None:
+            return None
+        return {n: c * self.seq_len for n, c in self.mixture.counts(self.consumed_samples).items()}
+
+    def mixture_epochs(self) -> Optional[dict]:
+        """data.mixture: the epoch each source is in ({name: epoch}, 0 = its first pass)."""
+        return None if self.mixture is None else self.mixture.epochs(self.consumed_samples)
 
     def global_sample_windows(self, samples: np.ndarray) -> np.ndarray:
         """Window ids of global samples (for tests and debugging)."""
@@ -294,7 +359,7 @@ class TrainLoader:
             if fp is not None and fp != self.fingerprint:
                 raise DataError(
                     f"cannot resume exactly: the checkpoint was trained on prepared data "
-                    f"{fp[:10]} but this run reads {self.fingerprint[:10]} ({self.tokens.dir}); "
+                    f"{fp[:10]} but this run reads {self.fingerprint[:10]} ({self.prepared_dir}); "
                     "use the same data settings (or load_state_dict(strict=False))"
                 )
         old_g = state.get("global_batch")
@@ -355,6 +420,32 @@ def eval_set(prepared_dir, seq_len: int, batch_size: int, sequences: int, dp_ran
              dp_world: int = 1) -> EvalSet:
     """This rank's batches of the validation set; see EvalSet."""
     return EvalSet(prepared_dir, seq_len, batch_size, sequences, dp_rank, dp_world)
+
+
+def eval_sets(prepared_dir, seq_len: int, batch_size: int, sequences: int, dp_rank: int = 0,
+              dp_world: int = 1) -> list:
+    """[(name, weight, EvalSet)]: one unnamed set of weight 1, or for data.mixture one per
+    source, ``sequences`` shared in proportion to the weights (at least 1 each; a source of
+    weight 0 is evaluated on sequences / number of sources), so the weighted mean of the sources'
+    losses is the mixture's loss."""
+    from .mixture import read_mixture_meta
+
+    mixture = read_mixture_meta(prepared_dir)
+    if mixture is None:
+        return [(None, 1.0, EvalSet(prepared_dir, seq_len, batch_size, sequences, dp_rank,
+                                    dp_world))]
+    srcs = mixture["sources"]
+    total = sum(float(s["weight"]) for s in srcs)
+    out = []
+    for s in srcs:
+        share = float(s["weight"]) / total if s["weight"] > 0 else 1.0 / len(srcs)
+        n = max(1, round(sequences * share))
+        try:
+            out.append((s["name"], float(s["weight"]),
+                        EvalSet(s["dir"], seq_len, batch_size, n, dp_rank, dp_world)))
+        except DataError as e:
+            raise DataError(f"data.mixture source {s['name']!r}: {e}") from None
+    return out
 
 
 def _unwrap_worker_error(e: DataError) -> DataError:

@@ -394,6 +394,10 @@ def find_prepared(cfg: Any, vocab_size: Optional[int] = None) -> Optional[Prepar
     meta.json only: ``trainer.dry_run``)."""
     cfg = DataConfig.from_any(cfg)
     cfg.validate()
+    if cfg.mixture:
+        from .mixture import find_prepared_mixture
+
+        return find_prepared_mixture(cfg, vocab_size)
     _, _, _, settings, fingerprint, final = _target(cfg, vocab_size)
     meta = _existing(final, settings, fingerprint) if (final / META_FILE).is_file() else None
     return None if meta is None else _result(final, meta, created=False, verify=False)
@@ -418,6 +422,10 @@ def prepare_data(cfg: Any, vocab_size: Optional[int] = None) -> PreparedData:
         )
     cfg = DataConfig.from_any(cfg)
     cfg.validate()
+    if cfg.mixture:
+        from .mixture import prepare_mixture
+
+        return prepare_mixture(cfg, vocab_size)
     source, vocab_size, dtype, settings, fingerprint, final = _target(cfg, vocab_size)
 
     # Fast path, no lock: a complete directory (meta.json is written last, renamed atomically).

@@ -1,0 +1,376 @@
+"""Weighted mixtures of sources (``data.mixture``): one tokenizer, each source's own shards, and a
+training stream that draws windows from the sources in proportion to their weights.
+
+Layout of a prepared mixture (``<cache>/mixture-<hash>/``):
+
+    tokenizer.model    one SentencePiece model for every source (given, or trained on the
+                       sources' text in proportion to the weights)
+    meta.json          format "llama_train.mixture": the entries, their weights and the prepared
+                       directory of each source (ordinary prepared data, see prepare.py)
+
+A source's shards depend only on the source and the tokenizer, so any mixture with the same
+tokenizer (``data.tokenizer``) reuses them.
+
+The stream (:class:`Allocation`): global sample k goes to one source by a binary tree over the
+sources; a node with weights A (left) and T (both) sends its j-th sample left iff
+``floor(((j+1) A + C) / T) > floor((j A + C) / T)`` (C from the seed). After n samples a node has
+sent exactly ``floor((n A + C) / T)`` left, so every source is within a window or two of its share
+at every point of the stream (a random draw would be off by ~sqrt(n)), and which source and which
+of its windows a sample reads is a closed form of k: the stream does not depend on world size or
+micro-batch, resumes at any sample without replay, and each source runs its own epochs of its own
+shuffle (loader._Windows).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import zlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from .errors import DataError
+
+log = logging.getLogger(__name__)
+
+MIXTURE_FORMAT = "llama_train.mixture"
+MIXTURE_VERSION = 1
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_WEIGHT_BITS = 24  # weights are quantized to integers summing to ~2**24 (exact integer stream)
+
+
+@dataclass
+class MixtureEntry:
+    """One source of ``data.mixture``: a name (metric keys, directory names), any source
+    ``data.source`` accepts, and a weight (relative; 0 = evaluated, never trained on)."""
+
+    name: str = ""
+    source: str = ""
+    weight: float = 1.0
+    text_column: Optional[str] = None  # None: data.text_column
+    hub_config: Optional[str] = None  # None: data.hub_config
+    split: Optional[str] = None  # None: data.split
+
+
+def check_entries(entries: Sequence[MixtureEntry]) -> None:
+    """Refuse a mixture that cannot be trained on, naming the entry (before any data is read)."""
+    seen = {}
+    for i, e in enumerate(entries):
+        where = f"data.mixture[{i}]" + (f" ({e.name})" if e.name else "")
+        if not e.name or not _NAME.match(str(e.name)):
+            raise DataError(f"{where}: name={e.name!r} must be a non-empty name of letters, "
+                            f"digits, '_', '.' or '-' (it names the val_loss/<name> metric and "
+                            f"the source's directory)")
+        if e.name in seen:
+            raise DataError(f"{where}: name {e.name!r} is also data.mixture[{seen[e.name]}]'s: "
+                            f"give every source its own name")
+        seen[e.name] = i
+        if not e.source:
+            raise DataError(f"{where}: source is empty: set it to 'builtin', a hub dataset name "
+                            f"or a local file, directory or glob")
+        try:
+            w = float(e.weight)
+        except (TypeError, ValueError):
+            w = float("nan")
+        if not math.isfinite(w) or w < 0:
+            raise DataError(f"{where}: weight={e.weight!r} must be a finite number >= 0 "
+                            f"(weights are relative: 3 and 1 draw 75% and 25% of the windows)")
+    if entries and sum(float(e.weight) for e in entries) <= 0:
+        raise DataError(f"data.mixture: all {len(entries)} weights are 0: give at least one "
+                        f"source a weight > 0")
+
+
+def as_entries(items: Any) -> List[MixtureEntry]:
+    """data.mixture as given (dicts from YAML or the command line, or entries) -> entries."""
+    out = []
+    for i, item in enumerate(items or []):
+        if isinstance(item, MixtureEntry):
+            out.append(item)
+            continue
+        if not isinstance(item, dict):
+            from omegaconf import DictConfig, OmegaConf
+
+            if not isinstance(item, DictConfig):
+                raise DataError(f"data.mixture[{i}]={item!r} must be a mapping "
+                                f"{{name: ..., source: ..., weight: ...}}")
+            item = OmegaConf.to_container(item, resolve=True)
+        unknown = sorted(set(item) - set(MixtureEntry.__dataclass_fields__))
+        if unknown:
+            raise DataError(f"data.mixture[{i}]: unknown key(s) {unknown}; valid keys: "
+                            f"{sorted(MixtureEntry.__dataclass_fields__)}")
+        out.append(MixtureEntry(**item))
+    return out
+
+
+# --- the stream -------------------------------------------------------------------------------
+def _mix64(x: int) -> int:
+    x &= (1 << 64) - 1
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return x ^ (x >> 31)
+
+
+def quantize(weights: Sequence[float]) -> List[int]:
+    """Relative weights -> integers (a positive weight never becomes 0)."""
+    total = float(sum(weights))
+    return [0 if w <= 0 else max(1, round(w / total * (1 << _WEIGHT_BITS))) for w in weights]
+
+
+class Allocation:
+    """Global sample k -> (source, that source's k-th sample), in closed form (module doc)."""
+
+    def __init__(self, weights: Sequence[float], seed: int):
+        self.w = quantize(weights)
+        self.seed = int(seed)
+
+    def _node(self, lo: int, hi: int):
+        mid = (lo + hi) // 2
+        a, t = sum(self.w[lo:mid]), sum(self.w[lo:hi])
+        c = _mix64(self.seed * 1_000_003 + lo * 1009 + hi) % t if t else 0
+        return mid, a, t, c
+
+    def assign(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, index within the source) of each global sample id."""
+        j = np.asarray(samples, dtype=np.int64)
+        src = np.zeros_like(j)
+        idx = j.copy()
+        self._assign(0, len(self.w), np.arange(j.size), idx, src)
+        return src, idx
+
+    def _assign(self, lo: int, hi: int, sel: np.ndarray, idx: np.ndarray, src: np.ndarray):
+        if hi - lo == 1 or sel.size == 0:
+            src[sel] = lo
+            return
+        mid, a, t, c = self._node(lo, hi)
+        j = idx[sel]
+        before = (j * a + c) // t  # samples this node sent left before its j-th
+        left = ((j + 1) * a + c) // t > before
+        idx[sel] = np.where(left, before, j - before)
+        self._assign(lo, mid, sel[left], idx, src)
+        self._assign(mid, hi, sel[~left], idx, src)
+
+    def counts(self, n: int) -> List[int]:
+        """How many of the first ``n`` global samples each source got."""
+        out = [0] * len(self.w)
+        self._counts(0, len(self.w), int(n), out)
+        return out
+
+    def _counts(self, lo: int, hi: int, n: int, out: List[int]) -> None:
+        if hi - lo == 1:
+            out[lo] = n
+            return
+        mid, a, t, c = self._node(lo, hi)
+        left = (n * a + c) // t  # c < t: floor(c / t) = 0
+        self._counts(lo, mid, left, out)
+        self._counts(mid, hi, n - left, out)
+
+
+def source_seed(seed: int, name: str) -> int:
+    """Each source's own shuffle (so adding a source does not reshuffle the others)."""
+    return _mix64(int(seed) ^ (zlib.crc32(name.encode()) << 20)) & ((1 << 62) - 1)
+
+
+# --- preparation ------------------------------------------------------------------------------
+def is_mixture(prepared_dir: Any) -> bool:
+    return read_mixture_meta(prepared_dir) is not None
+
+
+def read_mixture_meta(prepared_dir: Any) -> Optional[dict]:
+    """A prepared mixture's meta.json, or None if ``prepared_dir`` is ordinary prepared data."""
+    path = Path(prepared_dir) / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return meta if meta.get("format") == MIXTURE_FORMAT else None
+
+
+def _entry_cfg(cfg, e: MixtureEntry, tokenizer: Optional[str]):
+    """The data config that prepares one entry: the mixture's settings, the entry's source."""
+    return replace(cfg, mixture=[], name=e.name, source=e.source, prepared_dir=None,
+                   tokenizer=tokenizer,
+                   text_column=e.text_column if e.text_column is not None else cfg.text_column,
+                   hub_config=e.hub_config if e.hub_config is not None else cfg.hub_config,
+                   split=e.split if e.split is not None else cfg.split)
+
+
+def _named(i: int, e: MixtureEntry, err: DataError) -> DataError:
+    return DataError(f"data.mixture[{i}] ({e.name}, source={e.source!r}): {err}")
+
+
+def _mixture_target(cfg, entries: List[MixtureEntry], vocab_size: Optional[int]):
+    """(settings, fingerprint, directory, sources) of the mixture: decided before reading text."""
+    from .prepare import TOKENIZER_RECIPE, resolve_dtype
+    from .sources import open_source
+    from .tokenizer import Tokenizer
+
+    sources = []
+    for i, e in enumerate(entries):
+        try:
+            sources.append(open_source(_entry_cfg(cfg, e, None)))
+        except DataError as err:
+            raise _named(i, e, err) from None
+    if cfg.tokenizer is not None:
+        tok = Tokenizer(cfg.tokenizer)
+        if vocab_size is not None and tok.vocab_size != vocab_size:
+            raise DataError(f"data.tokenizer={cfg.tokenizer!r} has vocab_size={tok.vocab_size} "
+                            f"but model.vocab_size={vocab_size}: set model.vocab_size="
+                            f"{tok.vocab_size} or use a tokenizer of the model's size")
+        vocab_size = tok.vocab_size
+        tok_settings: dict = {"sha256": tok.sha256, "vocab_size": vocab_size}
+    else:
+        if vocab_size is None:
+            raise DataError("data.mixture without data.tokenizer trains one: pass the model's "
+                            "vocab_size (llama-data prepare --vocab-size N) or set data.tokenizer")
+        tok_settings = {"train_vocab_size": int(vocab_size), "recipe": TOKENIZER_RECIPE,
+                        "max_sentences": cfg.tokenizer_max_sentences, "seed": cfg.seed,
+                        "trained_on": "the mixture, in proportion to the weights"}
+    settings = {
+        "format_version": MIXTURE_VERSION,
+        "entries": [{"name": e.name, "weight": float(e.weight), "source": s.describe()}
+                    for e, s in zip(entries, sources)],
+        "tokenizer": tok_settings,
+        "dtype": resolve_dtype(cfg.dtype, int(vocab_size)),
+        "val_fraction": cfg.val_fraction,
+        "add_bos": cfg.add_bos,
+    }
+    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    if cfg.prepared_dir:
+        final = Path(cfg.prepared_dir).expanduser()
+    else:
+        from llama_train.paths import cache_dir
+
+        final = cache_dir() / f"{cfg.name or 'mixture'}-{fingerprint[:10]}"
+    return settings, fingerprint, final.absolute(), sources, int(vocab_size)
+
+
+def find_prepared_mixture(cfg, vocab_size: Optional[int]):
+    """The prepared mixture if it is complete, else None (reads meta.json files only)."""
+    from .prepare import PreparedData
+
+    entries = as_entries(cfg.mixture)
+    _, fingerprint, final, _, _ = _mixture_target(cfg, entries, vocab_size)
+    meta = read_mixture_meta(final)
+    if meta is None or meta.get("fingerprint") != fingerprint:
+        return None
+    if not all((Path(s["dir"]) / "meta.json").is_file() for s in meta["sources"]):
+        return None
+    return PreparedData(dir=str(final), tokenizer_path=str(final / "tokenizer.model"), meta=meta)
+
+
+def prepare_mixture(cfg, vocab_size: Optional[int] = None):
+    """Prepare every source of ``cfg.mixture`` with one tokenizer, and the mixture's meta.json
+    (PreparedData whose ``dir`` the loaders read). Safe from every rank at once (a file lock)."""
+    from filelock import FileLock
+
+    from .prepare import PreparedData, prepare_data
+
+    entries = as_entries(cfg.mixture)
+    check_entries(entries)
+    settings, fingerprint, final, sources, vocab_size = _mixture_target(cfg, entries, vocab_size)
+    meta = read_mixture_meta(final)
+    if meta is not None and meta.get("fingerprint") == fingerprint and all(
+            (Path(s["dir"]) / "meta.json").is_file() for s in meta["sources"]):
+        return PreparedData(dir=str(final), tokenizer_path=str(final / "tokenizer.model"),
+                            meta=meta, created=False)
+    final.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final) + ".lock"):
+        old = read_mixture_meta(final)
+        if old is not None and old.get("fingerprint") != fingerprint:
+            raise DataError(f"refusing to use {final}: it holds another mixture (other sources, "
+                            f"weights or tokenizer). Set data.prepared_dir to a new directory "
+                            f"(or null), or delete it")
+        tok_path = final / "tokenizer.model"
+        if cfg.tokenizer is not None:
+            shutil.copyfile(cfg.tokenizer, tok_path)
+        elif old is None or not tok_path.is_file():
+            _train_mixture_tokenizer(cfg, entries, sources, vocab_size, final)
+        parts = []
+        for i, e in enumerate(entries):
+            try:
+                p = prepare_data(_entry_cfg(cfg, e, str(tok_path)), vocab_size=vocab_size)
+            except DataError as err:
+                raise _named(i, e, err) from None
+            parts.append((e, p))
+        meta = _mixture_meta(settings, fingerprint, parts, vocab_size)
+        tmp = final / "meta.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, final / "meta.json")
+    log.info("mixture %s: %s", final, ", ".join(
+        f"{s['name']} (weight {s['weight']:g}, {s['train_tokens']:,} train tokens)"
+        for s in meta["sources"]))
+    return PreparedData(dir=str(final), tokenizer_path=str(tok_path), meta=meta, created=True)
+
+
+def _mixture_meta(settings: dict, fingerprint: str, parts, vocab_size: int) -> dict:
+    first = parts[0][1].meta
+    splits = {}
+    for split in ("train", "val"):
+        splits[split] = {"tokens": sum(p.meta["splits"][split]["tokens"] for _, p in parts),
+                         "documents": sum(p.meta["splits"][split]["documents"] for _, p in parts),
+                         "shards": []}
+    stream = hashlib.sha256(json.dumps(
+        [[e.name, float(e.weight), p.meta["splits"]["train"].get("sha256") or p.meta["fingerprint"]]
+         for e, p in parts]).encode()).hexdigest()
+    return {
+        "format": MIXTURE_FORMAT,
+        "version": MIXTURE_VERSION,
+        "fingerprint": fingerprint,
+        "stream_fingerprint": stream,  # the training stream's identity (resume checks it)
+        "settings": settings,
+        "vocab_size": vocab_size,
+        "dtype": first["dtype"],
+        "add_bos": first["add_bos"],
+        "tokenizer": {**first["tokenizer"], "file": "tokenizer.model"},
+        "sources": [{"name": e.name, "weight": float(e.weight), "dir": p.dir,
+                     "train_tokens": p.meta["splits"]["train"]["tokens"],
+                     "val_tokens": p.meta["splits"]["val"]["tokens"]} for e, p in parts],
+        "splits": splits,
+    }
+
+
+def weighted_texts(entries: Sequence[MixtureEntry], sources, max_lines: int) -> Iterator[str]:
+    """The sources' documents interleaved so that each contributes characters in proportion to
+    its weight (the next document comes from the source furthest below its share); a source that
+    runs out starts again. Ends once every weighted source was read through at least once, or
+    after ``max_lines`` lines. A weighted source with no text at all is refused, named."""
+    live = [i for i, e in enumerate(entries) if float(e.weight) > 0]
+    its = {i: iter(sources[i].iter_texts()) for i in live}
+    chars = {i: 0 for i in live}
+    done, lines = set(), 0
+    while len(done) < len(live) and lines < max_lines:
+        i = min(live, key=lambda k: (chars[k] / float(entries[k].weight), k))
+        try:
+            text = next(its[i])
+        except StopIteration:
+            if chars[i] == 0:
+                e = entries[i]
+                raise DataError(f"data.mixture[{i}] ({e.name}, source={e.source!r}) has no text "
+                                f"(no documents, or only empty ones in column "
+                                f"{e.text_column or sources[i].cfg.text_column!r})") from None
+            done.add(i)
+            its[i] = iter(sources[i].iter_texts())
+            continue
+        if not text.strip():
+            continue
+        chars[i] += len(text) + 1
+        lines += text.count("\n") + 1
+        yield text
+
+
+def _train_mixture_tokenizer(cfg, entries, sources, vocab_size: int, out: Path) -> None:
+    from .tokenizer import train_tokenizer
+
+    log.info("training a %d-piece tokenizer on the mixture (%s)", vocab_size,
+             ", ".join(f"{e.name} {float(e.weight):g}" for e in entries))
+    limit = cfg.tokenizer_max_sentences or 1_000_000
+    train_tokenizer(weighted_texts(entries, sources, limit), vocab_size, out / "tokenizer",
+                    max_sentences=cfg.tokenizer_max_sentences, seed=cfg.seed)
