@@ -5,6 +5,7 @@ W&B run ends with (checked offline: ``wandb sync --dry-run`` parses it and finds
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -347,3 +348,31 @@ def test_offline_run_that_fails_still_says_how_to_sync(tmp_path, no_wandb_key):
     assert b"tokens_per_s" in next(d.glob("run-*.wandb")).read_bytes()
     res = _dry_run(command, tmp_path, no_wandb_key)
     assert res.returncode == 0 and "Would sync 1 run(s)" in res.stdout + res.stderr
+
+
+def test_wandb_offline_continues_same_run_and_never_writes_the_key(tmp_path, monkeypatch, capfd):
+    """A training run with W&B offline, stopped at step 12 and resumed: the checkpoint keeps the
+    run id, the resume logs to the same run (a second offline directory of that id, both with
+    the metrics), and the API key lands in no file and no log line."""
+    out = tmp_path / "wandb"
+    common = ["trainer.max_steps=24", "trainer.save_every=4", "tracking.wandb.mode=offline",
+              "tracking.wandb.project=ci", "trainer.log_every=1"]
+    secret = "test-key-5c0a1d9e7b3f48a2a6e0d4c3b2a19f87e6d5c4b3"  # 40 chars, like a real key
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    train(cfg_for(out, *common, "trainer.steps_this_run=12"))
+    state = json.loads((out / "checkpoints" / "step_00000012" / "trainer_state.json").read_text())
+    run_id = state["tracker"]["wandb_run_id"]
+    assert run_id
+    train(cfg_for(out, *common))
+    assert sorted(step_rows(out)) == list(range(1, 25))
+    run_dirs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 2 and all(d.name.endswith(run_id) for d in run_dirs)
+    for d in run_dirs:
+        data = (d / f"run-{run_id}.wandb").read_bytes()
+        assert b"loss" in data and b"tokens_per_s" in data
+    # the API key never lands in a saved config, checkpoint, W&B file or log
+    for f in out.rglob("*"):
+        if f.is_file():
+            assert secret.encode() not in f.read_bytes(), f
+    logged = capfd.readouterr()
+    assert secret not in logged.out + logged.err
