@@ -174,6 +174,22 @@ def test_builtin_corpus_is_real_text_and_deterministic():
     assert any("Return" in d for d in docs)  # docstrings, not only the pydoc topics
 
 
+def test_stdlib_corpus_is_the_whole_standard_library_and_prepares(tmp_path):
+    """data.source=stdlib: every stdlib .py file whole (tests included), ~8x builtin; its own
+    corpus id and directory name, so it never shares prepared data with builtin."""
+    from llama_train.data.corpus import stdlib_corpus
+
+    docs = stdlib_corpus()
+    assert stdlib_corpus() == docs and len(docs) > 1000
+    size = sum(len(d.encode()) for d in docs)
+    assert size > 6 * sum(len(d.encode()) for d in builtin_corpus())
+    assert any(d.startswith('"""') and "def " in d for d in docs)  # code, not only prose
+    prep = prepare_data(cfg(source="stdlib", max_documents=40, val_fraction=0.1), VOCAB)
+    assert Path(prep.dir).name.startswith("stdlib-")
+    assert prep.meta["source"]["corpus"].startswith("stdlib-v1-")
+    assert prep.meta["documents"]["read"] == 40
+
+
 def test_prepare_builtin_source_small(tmp_path):
     prep = prepare_data(cfg(max_documents=120, val_fraction=0.05), VOCAB)
     assert prep.created and Path(prep.dir).parent == tmp_path / "cache"

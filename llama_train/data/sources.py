@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .config import DataConfig
-from .corpus import builtin_corpus, corpus_id
+from .corpus import BUILTIN_CORPORA, corpus_id, named_corpus
 from .errors import DataError
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def resolve_local_files(source: str) -> list[str]:
 class Source:
     """A deterministic stream of documents (str) read in batches."""
 
-    kind: str  # builtin | local | hub
+    kind: str  # builtin (data.source builtin or stdlib) | local | hub
     cfg: DataConfig
     files: list[str] = field(default_factory=list)
     _dataset: Any = None
@@ -97,15 +97,17 @@ class Source:
         """``data.name``, else one from the source: the prefix of its prepared directory."""
         if self.cfg.name:
             return self.cfg.name
+        if self.kind == "builtin":
+            return self.cfg.source  # builtin | stdlib
         if self.kind != "hub":
-            return self.kind  # builtin | local
+            return self.kind  # local
         return re.sub(r"[^a-z0-9_.-]+", "_", self.cfg.source.rsplit("/", 1)[-1].lower()) or "hub"
 
     def describe(self) -> dict:
         """What identifies the documents: part of the fingerprint and of meta.json."""
         d: dict[str, Any] = {"kind": self.kind, "source": self.cfg.source}
         if self.kind == "builtin":
-            d["corpus"] = corpus_id()
+            d["corpus"] = corpus_id(self.cfg.source)
         elif self.kind == "local":
             d["text_column"] = self.cfg.text_column
             d["files"] = [
@@ -123,7 +125,7 @@ class Source:
     def num_documents(self) -> Optional[int]:
         """Known document count (for the progress bar), None when streaming."""
         if self.kind == "builtin":
-            n = len(builtin_corpus())
+            n = len(named_corpus(self.cfg.source))
         else:
             try:
                 n = len(self.dataset())
@@ -134,7 +136,7 @@ class Source:
     def approx_bytes(self) -> Optional[int]:
         """Rough size of the text (to decide whether worker processes pay off); None if unknown."""
         if self.kind == "builtin":
-            return sum(len(d) for d in builtin_corpus())
+            return sum(len(d) for d in named_corpus(self.cfg.source))
         if self.kind == "local":
             return sum(os.path.getsize(f) for f in self.files)
         return None
@@ -245,9 +247,8 @@ class Source:
         limit = self.cfg.max_documents
         seen = 0
         if self.kind == "builtin":
-            batches: Any = (
-                builtin_corpus()[i : i + batch_docs] for i in range(0, len(builtin_corpus()), batch_docs)
-            )
+            docs = named_corpus(self.cfg.source)
+            batches: Any = (docs[i : i + batch_docs] for i in range(0, len(docs), batch_docs))
         else:
             batches = self._dataset_batches(batch_docs)
         for batch in batches:
@@ -488,7 +489,7 @@ class _JsonRowCursor:
 def open_source(cfg: DataConfig) -> Source:
     """Decide what kind of source `cfg.source` is (no data is read yet, no network touched)."""
     src = cfg.source
-    if src == "builtin":
+    if src in BUILTIN_CORPORA:
         return Source("builtin", cfg)
     expanded = os.path.expanduser(src)
     if os.path.exists(expanded) or (_GLOB_CHARS & set(src) and glob.glob(expanded)) or _looks_local(src):
