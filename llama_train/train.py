@@ -52,6 +52,7 @@ class Preflight:
     prepared: Any  # data.Prepared
     experiment: Any = None  # scaling.ExperimentPlan, for experiment=... runs
     lock: Any = None  # runlock.RunLock on rank 0: the output_dir is this job's until release()
+    command: Optional[str] = None  # the llama-train command of this job (run_info.json)
 
     def release(self) -> None:
         if self.lock is not None:
@@ -363,6 +364,7 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
             dry_run(cfg)
             return None
         pre = preflight(cfg)
+        pre.command = _job_command()
         if own_dir and pre.rt.rank == 0:
             log.info("--multirun job %s trains in its own trainer.output_dir=%s", own_dir,
                      cfg.trainer.output_dir)
@@ -395,6 +397,18 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
         if pre is not None:
             pre.release()
     return result["val_loss"]
+
+
+def _job_command() -> Optional[str]:
+    """This job's command line: ``llama-train`` and its overrides (one job's own values under
+    --multirun), so a sweep's point can be rerun alone (recorded in run_info.json)."""
+    import shlex
+
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return " ".join(["llama-train", *(shlex.quote(o) for o in HydraConfig.get().overrides.task)])
 
 
 # A write that fails because of the disk (not a bug): exit 3, like a failed save.

@@ -132,6 +132,7 @@ class Trainer:
         """Build: process group, resume point, model, engine, data, tracking. ``pre`` is the
         :class:`llama_train.train.Preflight` (config checked, data prepared)."""
         self.cfg, self.rt, self.plan, self.prepared = pre.cfg, pre.rt, pre.plan, pre.prepared
+        self.command = getattr(pre, "command", None)  # for run_info.json
         self.model_args = pre.model_args
         cfg, t, rt = self.cfg, pre.cfg.trainer, pre.rt
         faults = FaultInjector.from_env(rt.rank)
@@ -502,7 +503,8 @@ class Trainer:
                 "tokens": steps * p.tokens_per_step, "global_batch": p.global_batch,
                 "seq_len": p.seq_len, "max_steps": steps, "flops_per_token": self.fpt,
                 "flops": self.fpt * steps * p.tokens_per_step,
-                "peak_flops": {"value": self.peak.value, "source": self.peak.source}, **extra}
+                "peak_flops": {"value": self.peak.value, "source": self.peak.source},
+                "command": self.command, **extra}
         (Path(cfg.trainer.output_dir) / "run_info.json").write_text(json.dumps(info, indent=1))
 
 

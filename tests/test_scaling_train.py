@@ -71,6 +71,16 @@ def test_isoflop_multirun_and_fit(tmp_path):
     assert all(i["final_val_loss"] and i["flop_budget"] == 2e10 for i in infos)
     for i in infos:  # each point trains about C / (6 N) tokens
         assert abs(i["tokens"] - 2e10 / (6 * i["params"]["total"])) / i["tokens"] < 0.2
+    # each point records its own command (its own scaling.params), to rerun it alone
+    import re
+    import shlex
+
+    for i in infos:
+        c = i["command"]
+        assert c.startswith("llama-train ") and "experiment=isoflop" in c, c
+        assert len(re.findall(r"scaling\.params=", c)) == 1 and shlex.split(c)  # one value
+    assert sorted(float(re.search(r"scaling\.params=([0-9.e+]+)", i["command"]).group(1))
+                  for i in infos) == [5e5, 1e6]
     import subprocess
 
     out = subprocess.run([sys.executable, "-m", "llama_train.scaling", "fit", str(sweep),
