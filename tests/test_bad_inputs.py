@@ -301,7 +301,7 @@ def test_refusals_come_before_the_data_and_the_process_group(finished, monkeypat
             assert code == 2 and len(errors) == 1 and "Traceback" not in text, (name, text[-2000:])
             assert all(f in errors[0] for f in fragments), (name, errors)
             assert not reached and not dist.is_initialized(), (name, reached)
-            print(f"{name}: refused in {time.monotonic() - t0:.2f} s")
+            print(f"{name}: refused in {time.monotonic() - t0:.2f} s", file=sys.__stderr__)
     finally:
         holder.kill()
         holder.wait()

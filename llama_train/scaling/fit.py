@@ -382,10 +382,12 @@ def _quadratic(x: np.ndarray, l: np.ndarray) -> np.ndarray:
     return np.linalg.lstsq(v, l, rcond=None)[0]
 
 
-def _parabola_min(x: np.ndarray, l: np.ndarray, min_runs: int = 3):
+def _parabola_min(x: np.ndarray, l: np.ndarray, min_runs: int = 3, x_range: Optional[Tuple[float, float]] = None):
     """(x0, coeffs in x - x0, x at the minimum or None, refusal or None); x = ln N.
 
-    Shared by the fit and every bootstrap refit so both refuse the same cases.
+    Shared by the fit and every bootstrap refit so both refuse the same cases. ``x_range`` is the
+    range the minimum must lie in (default: x's own); a bootstrap refit passes the budget's full
+    sampled range, since a resample that happens to miss an edge run has not sampled less.
     """
     if x.size < min_runs:
         return None, None, None, "too_few_runs"
@@ -396,9 +398,10 @@ def _parabola_min(x: np.ndarray, l: np.ndarray, min_runs: int = 3):
     if not c[2] > 0:
         return x0, c, None, "opens_downward"
     xm = x0 - c[1] / (2.0 * c[2])
-    if xm < x.min():
+    lo, hi = (float(x.min()), float(x.max())) if x_range is None else x_range
+    if xm < lo:
         return x0, c, xm, "min_below_range"
-    if xm > x.max():
+    if xm > hi:
         return x0, c, xm, "min_above_range"
     return x0, c, xm, None
 
@@ -578,7 +581,7 @@ def _bootstrap_approach2(data, used: List[IsoFlopParabola], n: int, seed: int, m
         why_this = set()
         for j, (x, l) in enumerate(data):
             idx = _resample(rng, x.size)
-            _, _, xm, why = _parabola_min(x[idx], l[idx], min_runs)
+            _, _, xm, why = _parabola_min(x[idx], l[idx], min_runs, (float(x.min()), float(x.max())))
             if why:
                 why_this.add(why)
             else:
