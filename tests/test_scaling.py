@@ -309,7 +309,8 @@ def test_cli_fit_writes_plot_and_reusable_fit(tmp_path, capsys):
     law = LossLaw(E=1.9, A=400.0, B=1500.0, alpha=0.34, beta=0.36, name="truth")
     _write_sweep(tmp_path / "sweep", law)
     png, fit_yaml = tmp_path / "iso.png", tmp_path / "fit.yaml"
-    assert main(["fit", str(tmp_path / "sweep"), "--out", str(png), "--save-fit", str(fit_yaml),
+    assert main(["fit", str(tmp_path / "sweep"), "--bootstrap-a3", "0", "--out", str(png),
+                 "--save-fit", str(fit_yaml),
                  "--top-k", "4", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     for k in ("E", "A", "B", "alpha", "beta"):

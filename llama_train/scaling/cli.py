@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
 from llama_train.plot import plot_isoflops
-from llama_train.scaling.fit import collect_runs, fit_loss_law, group_budgets
 from llama_train.scaling.laws import FITS, ScalingError
 from llama_train.scaling.memory import FIT_ORDER
 from llama_train.scaling.memory import _args_dict, deepspeed_estimate, fit_advice, model_info, rank_peak_memory
@@ -229,46 +228,132 @@ def _cmd_shape(ns: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _cmd_fit(ns: argparse.Namespace) -> Dict[str, Any]:
-    runs, skipped = collect_runs(ns.sweep_dir, params=ns.params)
-    if len(runs) < 5:
-        raise ScalingError(
-            f"fit: {len(runs)} usable run(s) under {ns.sweep_dir} (need >= 5 with metrics.jsonl holding a "
-            f"val_loss and run_info.json); skipped: {skipped[:5]}"
-        )
-    result = fit_loss_law([r.n_params for r in runs], [r.tokens for r in runs], [r.val_loss for r in runs],
-                          top_k=ns.top_k, name=Path(ns.sweep_dir).name or "fitted")
-    law = result.law
-    budgets = []
-    for budget, members in group_budgets(runs):
-        best = min(members, key=lambda r: r.val_loss)
-        n_opt, d_opt = law.optimal(budget)
-        budgets.append({"flops": budget, "runs": len(members), "best_run": best.run, "best_n_params": best.n_params,
-                        "best_val_loss": best.val_loss, "fitted_n_opt": n_opt, "fitted_d_opt": d_opt,
-                        "fitted_loss": law.loss(n_opt, d_opt)})
-    res = {**result.to_dict(), "params_convention": ns.params, "runs": [vars(r) for r in runs],
-           "skipped": skipped, "budgets": budgets}
-    if ns.out:
-        res["plot"] = str(plot_isoflops(runs, law, ns.out))
+    """Approach 2 and 3 on a sweep directory or runs CSV, with bootstrap intervals; table or JSON."""
+    import shlex
+
+    from llama_train.scaling.fit import FLAG_TEXT, REFUSALS, analyse_runs, load_runs, write_runs_csv
+
+    path = Path(ns.sweep_dir)
+    conventions = ["total", "non_embedding"] if ns.params == "both" else [ns.params]
+    repro = "llama-plan fit " + shlex.join([
+        str(path), "--params", ns.params, "--top-k", str(ns.top_k or 0), "--bootstrap", str(ns.bootstrap),
+        "--bootstrap-a3", str(ns.bootstrap_a3), "--bootstrap-top-k", str(ns.bootstrap_top_k), "--seed", str(ns.seed)])
+    for k in ("bootstrap", "bootstrap_a3"):
+        if getattr(ns, k) < 0:
+            raise ScalingError(f"--{k.replace('_', '-')}={getattr(ns, k)} must be >= 0")
+    analyses, reports, extra = {}, {}, {}
+    for i, conv in enumerate(conventions):
+        runs, skipped = load_runs(path, params=conv)
+        if i == 0 and ns.csv:  # before any check, so a sweep too small to fit can still be exported
+            extra["csv"] = str(write_runs_csv(runs, ns.csv, params=conv))
+        if len(runs) < 5:
+            raise ScalingError(
+                f"fit: {len(runs)} usable run(s) under {path} with {conv} params (need >= 5: run dirs with "
+                f"metrics.jsonl holding a val_loss and run_info.json, or CSV rows); skipped: {skipped[:5]}")
+        an = analyse_runs(runs, params=conv, top_k=ns.top_k, bootstrap=ns.bootstrap, bootstrap_a3=ns.bootstrap_a3,
+                          bootstrap_top_k=ns.bootstrap_top_k, seed=ns.seed,
+                          name=(path.stem if path.is_file() else path.name) or "fitted")
+        rep = {**an.to_dict(), "source": str(path), "runs": [vars(r) for r in runs], "skipped": skipped,
+               "command": repro}
+        if ns.out:
+            out = Path(ns.out) if i == 0 else Path(ns.out).with_name(f"{Path(ns.out).stem}.{conv}{Path(ns.out).suffix}")
+            rep["plot"] = str(plot_isoflops(runs, an.approach3.law if an.approach3 else None, out, an.approach2,
+                                            approach3_ci=an.approach3_bootstrap, params=conv))
+        analyses[conv], reports[conv] = an, rep
+    first = analyses[conventions[0]]
     if ns.save_fit:
+        if first.approach3 is None:
+            raise ScalingError(f"--save-fit: Approach 3 gave no fit ({first.approach3_error})")
         import yaml
 
-        Path(ns.save_fit).write_text(yaml.safe_dump(law.to_dict(), sort_keys=False))
-        res["saved_fit"] = ns.save_fit
-    if not ns.json:
-        print(f"fitted L(N,D) = E + A/N^alpha + B/D^beta on {result.n_points} runs ({ns.params} params), "
-              f"Huber delta={result.delta:g} on log loss, best of {result.n_starts} L-BFGS starts")
-        print(_table([[k, f"{getattr(law, k):.5g}"] for k in ("E", "A", "B", "alpha", "beta")]))
-        print(f"compute-optimal: N_opt ∝ C^{law.a:.4f}, D_opt ∝ C^{law.b:.4f}, G={law.G:.4g}; "
-              f"rms log residual {result.rms_log_residual:.4f}")
-        print(_table([[f"{b['flops']:.3g}", b["runs"], _si(b["best_n_params"]), f"{b['best_val_loss']:.4f}",
-                       _si(b["fitted_n_opt"]), f"{b['fitted_loss']:.4f}"] for b in budgets],
-                     ["budget (FLOPs)", "runs", "best run N", "its loss", "fitted N_opt", "fitted loss"]))
-        if skipped:
-            print(f"skipped {len(skipped)} run(s): " + "; ".join(f"{s['run']}: {s['reason']}" for s in skipped[:10]))
+        Path(ns.save_fit).write_text(yaml.safe_dump(first.approach3.law.to_dict(), sort_keys=False))
+        extra["saved_fit"] = ns.save_fit
+    if ns.params == "both":
+        res = {"params_convention": "both", "by_params": reports, "command": repro, **extra,
+               "comparison": {c: {"approach2_a": r["approach2"].get("a"), "approach2_a_ci": r["approach2"].get("a_ci"),
+                                  "approach3_a": r["approach3"].get("a"), "approach3_a_ci": r["approach3"].get("a_ci")}
+                              for c, r in reports.items()}}
+    else:
+        res = {**reports[conventions[0]], **extra}
+    if ns.json:
+        return res
+
+    def ci(v, fmt="{:.4g}"):
+        return f"[{fmt.format(v[0])}, {fmt.format(v[1])}]" if v else "n/a"
+
+    def boot_line(b, what):
+        if b is None:
+            return f"  bootstrap: off ({what} 0)"
+        why = ", ".join(f"{k} {v}" for k, v in sorted(b.failures.items()))
+        return (f"  bootstrap: {b.n_resamples} resamples of the runs within each budget, seed {b.seed}; "
+                f"{b.n_failed} failed{f' ({why})' if why else ''}; intervals are the 2.5/97.5 percentiles of the "
+                f"{b.n_resamples - b.n_failed} others" + ("" if b.ci else " (none: fewer than 10 succeeded)")
+                + ("\n  WARNING: over 10% of the resamples failed; the interval covers only those that did, so it is "
+                   "too narrow (a budget with few runs or sizes is the usual cause: sample more sizes)"
+                   if b.n_failed > 0.1 * b.n_resamples else ""))
+
+    for conv in conventions:
+        an, rep = analyses[conv], reports[conv]
+        a2, a3, law = an.approach2, an.approach3, an.approach3.law if an.approach3 else None
+        if len(conventions) > 1:
+            print(f"=== N = {conv} parameters ===")
+        print(f"{len(an.runs)} runs from {path} (N = {conv} parameters), {len(an.groups)} IsoFLOP budget(s)")
+        rows = []
+        for p in a2.parabolas:
+            n3 = law.optimal(p.flops) if law else None
+            rows.append([f"{p.flops:.3g}", p.n_runs, f"{_si(p.n_min)}-{_si(p.n_max)}",
+                         _si(p.n_opt) if p.n_opt else "-", f"[{_si(p.n_opt_ci[0])}, {_si(p.n_opt_ci[1])}]" if p.n_opt_ci else "-",
+                         f"{p.loss_at_min:.4f}" if p.loss_at_min is not None else "-",
+                         _si(n3[0]) if n3 else "-", f"{law.loss(*n3):.4f}" if n3 else "-",
+                         "yes" if p.used else "NO", ", ".join(p.flags) or "-"])
+        print(_table(rows, ["budget (FLOPs)", "runs", "N range", "A2 N_opt", "95% CI", "A2 loss@min",
+                            "A3 N_opt", "A3 loss", "used", "flags"]))
+        flags = sorted({f for p in a2.parabolas for f in p.flags})
+        for f in flags:
+            print(f"  {f}: {FLAG_TEXT[f]}" + (" (budget not used by Approach 2)" if f in REFUSALS else " (warning)"))
+        print(f"Approach 2 (Hoffmann et al. Sec. 3.2: parabola of loss in ln N per budget, power laws over "
+              f"{len(a2.used)} of {len(a2.parabolas)} budgets):")
+        if a2.n_opt_law:
+            bci = a2.bootstrap.ci if a2.bootstrap else {}
+            print(f"  N_opt = k_N C^a: a = {a2.n_opt_law.exponent:.4f}  95% CI {ci(bci.get('a'), '{:.4f}')}  "
+                  f"k_N = {a2.n_opt_law.k:.4g}")
+            print(f"  D_opt = k_D C^b: b = {a2.d_opt_law.exponent:.4f}  95% CI {ci(bci.get('b'), '{:.4f}')}  "
+                  f"k_D = {a2.d_opt_law.k:.4g}  (D_opt = C/(6 N_opt), so b = 1 - a)")
+            print(boot_line(a2.bootstrap, "--bootstrap"))
+        else:
+            print(f"  no power law: {a2.error}")
+        if law:
+            bci = an.approach3_bootstrap.ci if an.approach3_bootstrap else {}
+            print(f"Approach 3 (App. D.2): L(N,D) = E + A/N^alpha + B/D^beta on {a3.n_points} runs, Huber "
+                  f"delta={a3.delta:g} on log loss, best of {a3.n_starts} L-BFGS starts; rms log residual "
+                  f"{a3.rms_log_residual:.4f}")
+            print(_table([[k, f"{getattr(law, k):.5g}", ci(bci.get(k))] for k in ("E", "A", "B", "alpha", "beta")]
+                         + [["a = beta/(alpha+beta)", f"{law.a:.4f}", ci(bci.get("a"), "{:.4f}")],
+                            ["b = alpha/(alpha+beta)", f"{law.b:.4f}", ci(bci.get("b"), "{:.4f}")]],
+                         ["", "value", "95% CI"]))
+            print(f"  compute-optimal: N_opt ∝ C^{law.a:.4f}, D_opt ∝ C^{law.b:.4f}, G={law.G:.4g}")
+            b = an.approach3_bootstrap
+            print(boot_line(b, "--bootstrap-a3") + (f"; {ns.bootstrap_top_k} L-BFGS starts per refit "
+                                                    f"(+ the full-data optimum)" if b else ""))
+        else:
+            print(f"Approach 3: no fit: {an.approach3_error}")
+        if rep["skipped"]:
+            print(f"skipped {len(rep['skipped'])} run(s): "
+                  + "; ".join(f"{s['run']}: {s['reason']}" for s in rep["skipped"][:10]))
         if ns.out:
-            print(f"plot: {res['plot']}")
-        if ns.save_fit:
-            print(f"fit saved to {ns.save_fit} (use it with --fit {ns.save_fit})")
+            print(f"plot: {rep['plot']}")
+    if ns.params == "both":
+        print("=== compare parameter counts ===")
+        print(_table([[c, f"{v['approach2_a']:.4f}" if v["approach2_a"] is not None else "-",
+                       ci(v["approach2_a_ci"], "{:.4f}"),
+                       f"{v['approach3_a']:.4f}" if v["approach3_a"] is not None else "-",
+                       ci(v["approach3_a_ci"], "{:.4f}")] for c, v in res["comparison"].items()],
+                     ["N", "A2 a", "95% CI", "A3 a", "95% CI"]))
+    if ns.csv:
+        print(f"runs written to {extra['csv']} (reads back as: llama-plan fit {extra['csv']})")
+    if ns.save_fit:
+        print(f"Approach 3 fit ({conventions[0]} params) saved to {ns.save_fit} (use it with --fit {ns.save_fit})")
+    print(f"reproduce: {repro}")
     return res
 
 
@@ -333,13 +418,25 @@ def build_parser() -> argparse.ArgumentParser:
     common(p, fit=False)
     p.set_defaults(func=_cmd_shape)
 
-    p = sub.add_parser("fit", help="fit L(N,D) to a sweep's final validation losses; IsoFLOP plot")
-    p.add_argument("sweep_dir", help="folder with run dirs (each: metrics.jsonl + run_info.json)")
+    p = sub.add_parser("fit", help="fit a sweep's final validation losses: IsoFLOP parabolas (Approach 2) and "
+                                   "L(N,D) (Approach 3) with bootstrap intervals; IsoFLOP plot")
+    p.add_argument("sweep_dir", metavar="PATH",
+                   help="a sweep folder (run dirs, each: metrics.jsonl + run_info.json) or a runs CSV with columns "
+                        "flops,params,non_embedding_params,tokens,val_loss,command (flops: the nominal budget)")
     p.add_argument("--out", help="write the IsoFLOP/frontier plot to this PNG")
-    p.add_argument("--params", default="total", choices=["total", "non_embedding"], help="which N to fit on")
-    p.add_argument("--save-fit", help="write the fitted constants to this YAML (usable as --fit)")
+    p.add_argument("--csv", metavar="OUT", help="write the runs read from PATH to this CSV (PATH for a later fit)")
+    p.add_argument("--params", default="total", choices=["total", "non_embedding", "both"],
+                   help="which N to fit on (both: fit each and compare the exponents)")
+    p.add_argument("--save-fit", help="write the Approach 3 constants to this YAML (usable as --fit)")
     p.add_argument("--top-k", type=int, default=64,
                    help="run L-BFGS from the k best of the paper's 4500 initialisations (0 = all)")
+    p.add_argument("--bootstrap", type=int, default=200, metavar="N",
+                   help="Approach 2 bootstrap resamples (runs resampled within each budget; 0 = none)")
+    p.add_argument("--bootstrap-a3", type=int, default=100, metavar="N",
+                   help="Approach 3 bootstrap resamples, each an L-BFGS refit (0 = none)")
+    p.add_argument("--bootstrap-top-k", type=int, default=10, metavar="K",
+                   help="L-BFGS starts per Approach 3 bootstrap refit (plus the full-data optimum)")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed (same seed, same intervals)")
     common(p, fit=False)
     p.set_defaults(func=_cmd_fit)
     return parser

@@ -254,7 +254,9 @@ def group_budgets(runs: Sequence[RunPoint], rel_tol: float = 0.15) -> List[Tuple
     cur: List[RunPoint] = []
 
     def close() -> None:
-        out.append((float(np.exp(np.mean([math.log(key(x)) for x in cur]))), list(cur)))
+        keys = [key(x) for x in cur]  # one nominal budget stays exact; mixed ones: their geometric mean
+        c = keys[0] if len(set(keys)) == 1 else float(np.exp(np.mean(np.log(keys))))
+        out.append((float(c), list(cur)))
 
     for r in sorted(runs, key=key):
         if cur and key(r) > key(cur[0]) * (1 + rel_tol):
@@ -503,7 +505,7 @@ class BootstrapResult:
     def to_dict(self) -> Dict[str, Any]:
         return {"resamples": self.n_resamples, "failed": self.n_failed, "ok": self.n_resamples - self.n_failed,
                 "seed": self.seed, "level": self.level, "ci": {k: list(v) for k, v in self.ci.items()},
-                "failures": dict(self.failures)}
+                "failures": dict(self.failures), "over_10pct_failed": self.n_failed > 0.1 * self.n_resamples}
 
 
 BOOTSTRAP_MIN_OK = 10  # fewer successful refits than this: no interval, rather than a made-up one
