@@ -496,11 +496,19 @@ def unknown_key_message(key: str) -> str:
             f"its value).")
 
 
-def _list_entry_types() -> list:
-    """The dataclasses that appear as list entries in the config (data.mixture's)."""
-    from llama_train.data.mixture import MixtureEntry
+def _list_entry_types(node: Optional[type] = None) -> list:
+    """The dataclasses that are list entries somewhere in the config (data.mixture's), found
+    from the structured config's type hints."""
+    import dataclasses
+    import typing
 
-    return [MixtureEntry]
+    out = []
+    for hint in typing.get_type_hints(node or Config).values():
+        if dataclasses.is_dataclass(hint):
+            out += _list_entry_types(hint)
+        elif typing.get_origin(hint) is list:
+            out += [t for t in typing.get_args(hint) if dataclasses.is_dataclass(t)]
+    return out
 
 
 def explain_composition_error(e: BaseException) -> Optional[str]:

@@ -48,3 +48,12 @@ def jsonable(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     return x
+
+
+def splitmix64(x: int) -> int:
+    """SplitMix64's finalizer on a Python int (mod 2**64): keys and seeds derived from a seed."""
+    m = (1 << 64) - 1
+    x &= m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)

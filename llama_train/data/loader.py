@@ -32,19 +32,11 @@ from torch.utils.data import DataLoader
 
 from .errors import DataError
 from .packed import PackedTokens
+from llama_train.util import splitmix64
 
 log = logging.getLogger(__name__)
 
-_M64 = (1 << 64) - 1
 _ROUNDS = 6
-
-
-def _mix64_int(x: int) -> int:
-    """SplitMix64 finalizer on a Python int (for keys)."""
-    x &= _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -72,8 +64,8 @@ class IndexPermutation:
         bits += bits % 2
         self.half = np.uint64(bits // 2)
         self.mask = np.uint64((1 << (bits // 2)) - 1)
-        base = _mix64_int(_mix64_int(seed) ^ (epoch * 0x9E3779B97F4A7C15))
-        self.keys = [np.uint64(_mix64_int(base + r + 1)) for r in range(_ROUNDS)]
+        base = splitmix64(splitmix64(seed) ^ (epoch * 0x9E3779B97F4A7C15))
+        self.keys = [np.uint64(splitmix64(base + r + 1)) for r in range(_ROUNDS)]
 
     def _round_trip(self, x: np.ndarray) -> np.ndarray:
         left, right = x >> self.half, x & self.mask

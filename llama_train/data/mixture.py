@@ -38,6 +38,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 import numpy as np
 
 from .errors import DataError
+from llama_train.util import splitmix64
 
 log = logging.getLogger(__name__)
 
@@ -111,13 +112,6 @@ def as_entries(items: Any) -> List[MixtureEntry]:
 
 
 # --- the stream -------------------------------------------------------------------------------
-def _mix64(x: int) -> int:
-    x &= (1 << 64) - 1
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
-    return x ^ (x >> 31)
-
-
 def quantize(weights: Sequence[float]) -> List[int]:
     """Relative weights -> integers (a positive weight never becomes 0)."""
     total = float(sum(weights))
@@ -134,7 +128,7 @@ class Allocation:
     def _node(self, lo: int, hi: int):
         mid = (lo + hi) // 2
         a, t = sum(self.w[lo:mid]), sum(self.w[lo:hi])
-        c = _mix64(self.seed * 1_000_003 + lo * 1009 + hi) % t if t else 0
+        c = splitmix64(self.seed * 1_000_003 + lo * 1009 + hi) % t if t else 0
         return mid, a, t, c
 
     def assign(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -175,7 +169,7 @@ class Allocation:
 
 def source_seed(seed: int, name: str) -> int:
     """Each source's own shuffle (so adding a source does not reshuffle the others)."""
-    return _mix64(int(seed) ^ (zlib.crc32(name.encode()) << 20)) & ((1 << 62) - 1)
+    return splitmix64(int(seed) ^ (zlib.crc32(name.encode()) << 20)) & ((1 << 62) - 1)
 
 
 # --- preparation ------------------------------------------------------------------------------
@@ -208,9 +202,8 @@ def _named(i: int, e: MixtureEntry, err: DataError) -> DataError:
 
 def _mixture_target(cfg, entries: List[MixtureEntry], vocab_size: Optional[int]):
     """(settings, fingerprint, directory, sources) of the mixture: decided before reading text."""
-    from .prepare import TOKENIZER_RECIPE, resolve_dtype
+    from .prepare import resolve_dtype, tokenizer_settings
     from .sources import open_source
-    from .tokenizer import Tokenizer
 
     sources = []
     for i, e in enumerate(entries):
@@ -218,20 +211,9 @@ def _mixture_target(cfg, entries: List[MixtureEntry], vocab_size: Optional[int])
             sources.append(open_source(_entry_cfg(cfg, e, None)))
         except DataError as err:
             raise _named(i, e, err) from None
-    if cfg.tokenizer is not None:
-        tok = Tokenizer(cfg.tokenizer)
-        if vocab_size is not None and tok.vocab_size != vocab_size:
-            raise DataError(f"data.tokenizer={cfg.tokenizer!r} has vocab_size={tok.vocab_size} "
-                            f"but model.vocab_size={vocab_size}: set model.vocab_size="
-                            f"{tok.vocab_size} or use a tokenizer of the model's size")
-        vocab_size = tok.vocab_size
-        tok_settings: dict = {"sha256": tok.sha256, "vocab_size": vocab_size}
-    else:
-        if vocab_size is None:
-            raise DataError("data.mixture without data.tokenizer trains one: pass the model's "
-                            "vocab_size (llama-data prepare --vocab-size N) or set data.tokenizer")
-        tok_settings = {"train_vocab_size": int(vocab_size), "recipe": TOKENIZER_RECIPE,
-                        "max_sentences": cfg.tokenizer_max_sentences, "seed": cfg.seed,
+    vocab_size, tok_settings = tokenizer_settings(cfg, vocab_size)
+    if cfg.tokenizer is None:
+        tok_settings = {**tok_settings, "seed": cfg.seed,
                         "trained_on": "the mixture, in proportion to the weights"}
     settings = {
         "format_version": MIXTURE_VERSION,
@@ -258,12 +240,21 @@ def find_prepared_mixture(cfg, vocab_size: Optional[int]):
 
     entries = as_entries(cfg.mixture)
     _, fingerprint, final, _, _ = _mixture_target(cfg, entries, vocab_size)
+    meta = _complete(final, fingerprint)
+    if meta is None:
+        return None
+    return PreparedData(dir=str(final), tokenizer_path=str(final / "tokenizer.model"), meta=meta)
+
+
+def _complete(final: Path, fingerprint: str) -> Optional[dict]:
+    """The meta of the prepared mixture at ``final`` if it is this one and every source's data
+    is there, else None."""
     meta = read_mixture_meta(final)
     if meta is None or meta.get("fingerprint") != fingerprint:
         return None
     if not all((Path(s["dir"]) / "meta.json").is_file() for s in meta["sources"]):
         return None
-    return PreparedData(dir=str(final), tokenizer_path=str(final / "tokenizer.model"), meta=meta)
+    return meta
 
 
 def prepare_mixture(cfg, vocab_size: Optional[int] = None):
@@ -276,9 +267,8 @@ def prepare_mixture(cfg, vocab_size: Optional[int] = None):
     entries = as_entries(cfg.mixture)
     check_entries(entries)
     settings, fingerprint, final, sources, vocab_size = _mixture_target(cfg, entries, vocab_size)
-    meta = read_mixture_meta(final)
-    if meta is not None and meta.get("fingerprint") == fingerprint and all(
-            (Path(s["dir"]) / "meta.json").is_file() for s in meta["sources"]):
+    meta = _complete(final, fingerprint)
+    if meta is not None:
         return PreparedData(dir=str(final), tokenizer_path=str(final / "tokenizer.model"),
                             meta=meta, created=False)
     final.mkdir(parents=True, exist_ok=True)

@@ -354,11 +354,10 @@ def _result(d: Path, meta: dict, created: bool, verify: bool = False) -> Prepare
 
 
 # --- the entry point --------------------------------------------------------------------------
-def _target(cfg: DataConfig, vocab_size: Optional[int]) -> tuple:
-    """(source, vocab_size, dtype, settings, fingerprint, directory) of the prepared data for
-    ``cfg``: everything decided before reading any text."""
-    source = open_source(cfg)  # resolves local files; reads nothing, touches no network
-
+def tokenizer_settings(cfg: DataConfig, vocab_size: Optional[int]) -> tuple:
+    """(vocab_size, what identifies the tokenizer): data.tokenizer's sha256 (its size must be the
+    model's), or the recipe of the one to train, of the model's vocab_size. Part of the
+    fingerprint of prepared data and of mixtures."""
     if cfg.tokenizer is not None:
         tok = Tokenizer(cfg.tokenizer)
         if vocab_size is not None and tok.vocab_size != vocab_size:
@@ -380,6 +379,15 @@ def _target(cfg: DataConfig, vocab_size: Optional[int]) -> tuple:
             "max_sentences": cfg.tokenizer_max_sentences,
             "recipe": TOKENIZER_RECIPE,
         }
+    return int(vocab_size), tok_settings
+
+
+def _target(cfg: DataConfig, vocab_size: Optional[int]) -> tuple:
+    """(source, vocab_size, dtype, settings, fingerprint, directory) of the prepared data for
+    ``cfg``: everything decided before reading any text."""
+    source = open_source(cfg)  # resolves local files; reads nothing, touches no network
+
+    vocab_size, tok_settings = tokenizer_settings(cfg, vocab_size)
     dtype = resolve_dtype(cfg.dtype, int(vocab_size))
     settings = _settings(cfg, source, tok_settings, dtype)
     fingerprint = _fingerprint(settings)

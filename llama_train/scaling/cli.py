@@ -227,20 +227,10 @@ def _cmd_shape(ns: argparse.Namespace) -> Dict[str, Any]:
     return res
 
 
-def _cmd_fit(ns: argparse.Namespace) -> Dict[str, Any]:
-    """Approach 2 and 3 on a sweep directory or runs CSV, with bootstrap intervals; table or JSON."""
-    import shlex
+def _fit_each(ns: argparse.Namespace, path: Path, conventions, repro: str):
+    """analyse_runs for each parameter convention: (analyses, reports, extra outputs)."""
+    from llama_train.scaling.fit import analyse_runs, load_runs, write_runs_csv
 
-    from llama_train.scaling.fit import FLAG_TEXT, REFUSALS, analyse_runs, load_runs, write_runs_csv
-
-    path = Path(ns.sweep_dir)
-    conventions = ["total", "non_embedding"] if ns.params == "both" else [ns.params]
-    repro = "llama-plan fit " + shlex.join([
-        str(path), "--params", ns.params, "--top-k", str(ns.top_k or 0), "--bootstrap", str(ns.bootstrap),
-        "--bootstrap-a3", str(ns.bootstrap_a3), "--bootstrap-top-k", str(ns.bootstrap_top_k), "--seed", str(ns.seed)])
-    for k in ("bootstrap", "bootstrap_a3"):
-        if getattr(ns, k) < 0:
-            raise ScalingError(f"--{k.replace('_', '-')}={getattr(ns, k)} must be >= 0")
     analyses, reports, extra = {}, {}, {}
     for i, conv in enumerate(conventions):
         runs, skipped = load_runs(path, params=conv)
@@ -260,6 +250,92 @@ def _cmd_fit(ns: argparse.Namespace) -> Dict[str, Any]:
             rep["plot"] = str(plot_isoflops(runs, an.approach3.law if an.approach3 else None, out, an.approach2,
                                             approach3_ci=an.approach3_bootstrap, params=conv))
         analyses[conv], reports[conv] = an, rep
+    return analyses, reports, extra
+
+def _ci(v, fmt="{:.4g}"):
+    return f"[{fmt.format(v[0])}, {fmt.format(v[1])}]" if v else "n/a"
+
+
+def _boot_line(b, what):
+    if b is None:
+        return f"  bootstrap: off ({what} 0)"
+    why = ", ".join(f"{k} {v}" for k, v in sorted(b.failures.items()))
+    return (f"  bootstrap: {b.n_resamples} resamples of the runs within each budget, seed {b.seed}; "
+            f"{b.n_failed} failed{f' ({why})' if why else ''}; intervals are the 2.5/97.5 percentiles of the "
+            f"{b.n_resamples - b.n_failed} others" + ("" if b.ci else " (none: fewer than 10 succeeded)")
+            + ("\n  WARNING: over 10% of the resamples failed; the interval covers only those that did, so it is "
+               "too narrow (a budget with few runs or sizes is the usual cause: sample more sizes)"
+               if b.n_failed > 0.1 * b.n_resamples else ""))
+
+
+def _print_analysis(an, rep: Dict[str, Any], path: Path, conv: str, several: bool,
+                    ns: argparse.Namespace) -> None:
+    """One parameter convention's fits as tables (llama-plan fit without --json)."""
+    from llama_train.scaling.fit import FLAG_TEXT, REFUSALS
+
+    a2, a3, law = an.approach2, an.approach3, an.approach3.law if an.approach3 else None
+    if several:
+        print(f"=== N = {conv} parameters ===")
+    print(f"{len(an.runs)} runs from {path} (N = {conv} parameters), {len(an.groups)} IsoFLOP budget(s)")
+    rows = []
+    for p in a2.parabolas:
+        n3 = law.optimal(p.flops) if law else None
+        rows.append([f"{p.flops:.3g}", p.n_runs, f"{_si(p.n_min)}-{_si(p.n_max)}",
+                     _si(p.n_opt) if p.n_opt else "-", f"[{_si(p.n_opt_ci[0])}, {_si(p.n_opt_ci[1])}]" if p.n_opt_ci else "-",
+                     f"{p.loss_at_min:.4f}" if p.loss_at_min is not None else "-",
+                     _si(n3[0]) if n3 else "-", f"{law.loss(*n3):.4f}" if n3 else "-",
+                     "yes" if p.used else "NO", ", ".join(p.flags) or "-"])
+    print(_table(rows, ["budget (FLOPs)", "runs", "N range", "A2 N_opt", "95% CI", "A2 loss@min",
+                        "A3 N_opt", "A3 loss", "used", "flags"]))
+    flags = sorted({f for p in a2.parabolas for f in p.flags})
+    for f in flags:
+        print(f"  {f}: {FLAG_TEXT[f]}" + (" (budget not used by Approach 2)" if f in REFUSALS else " (warning)"))
+    print(f"Approach 2 (Hoffmann et al. Sec. 3.2: parabola of loss in ln N per budget, power laws over "
+          f"{len(a2.used)} of {len(a2.parabolas)} budgets):")
+    if a2.n_opt_law:
+        bci = a2.bootstrap.ci if a2.bootstrap else {}
+        print(f"  N_opt = k_N C^a: a = {a2.n_opt_law.exponent:.4f}  95% CI {_ci(bci.get('a'), '{:.4f}')}  "
+              f"k_N = {a2.n_opt_law.k:.4g}")
+        print(f"  D_opt = k_D C^b: b = {a2.d_opt_law.exponent:.4f}  95% CI {_ci(bci.get('b'), '{:.4f}')}  "
+              f"k_D = {a2.d_opt_law.k:.4g}  (D_opt = C/(6 N_opt), so b = 1 - a)")
+        print(_boot_line(a2.bootstrap, "--bootstrap"))
+    else:
+        print(f"  no power law: {a2.error}")
+    if law:
+        bci = an.approach3_bootstrap.ci if an.approach3_bootstrap else {}
+        print(f"Approach 3 (App. D.2): L(N,D) = E + A/N^alpha + B/D^beta on {a3.n_points} runs, Huber "
+              f"delta={a3.delta:g} on log loss, best of {a3.n_starts} L-BFGS starts; rms log residual "
+              f"{a3.rms_log_residual:.4f}")
+        print(_table([[k, f"{getattr(law, k):.5g}", _ci(bci.get(k))] for k in ("E", "A", "B", "alpha", "beta")]
+                     + [["a = beta/(alpha+beta)", f"{law.a:.4f}", _ci(bci.get("a"), "{:.4f}")],
+                        ["b = alpha/(alpha+beta)", f"{law.b:.4f}", _ci(bci.get("b"), "{:.4f}")]],
+                     ["", "value", "95% CI"]))
+        print(f"  compute-optimal: N_opt ∝ C^{law.a:.4f}, D_opt ∝ C^{law.b:.4f}, G={law.G:.4g}")
+        b = an.approach3_bootstrap
+        print(_boot_line(b, "--bootstrap-a3") + (f"; {ns.bootstrap_top_k} L-BFGS starts per refit "
+                                                f"(+ the full-data optimum)" if b else ""))
+    else:
+        print(f"Approach 3: no fit: {an.approach3_error}")
+    if rep["skipped"]:
+        print(f"skipped {len(rep['skipped'])} run(s): "
+              + "; ".join(f"{s['run']}: {s['reason']}" for s in rep["skipped"][:10]))
+    if ns.out:
+        print(f"plot: {rep['plot']}")
+
+
+def _cmd_fit(ns: argparse.Namespace) -> Dict[str, Any]:
+    """Approach 2 and 3 on a sweep directory or runs CSV, with bootstrap intervals; table or JSON."""
+    import shlex
+
+    path = Path(ns.sweep_dir)
+    conventions = ["total", "non_embedding"] if ns.params == "both" else [ns.params]
+    repro = "llama-plan fit " + shlex.join([
+        str(path), "--params", ns.params, "--top-k", str(ns.top_k or 0), "--bootstrap", str(ns.bootstrap),
+        "--bootstrap-a3", str(ns.bootstrap_a3), "--bootstrap-top-k", str(ns.bootstrap_top_k), "--seed", str(ns.seed)])
+    for k in ("bootstrap", "bootstrap_a3"):
+        if getattr(ns, k) < 0:
+            raise ScalingError(f"--{k.replace('_', '-')}={getattr(ns, k)} must be >= 0")
+    analyses, reports, extra = _fit_each(ns, path, conventions, repro)
     first = analyses[conventions[0]]
     if ns.save_fit:
         if first.approach3 is None:
@@ -278,76 +354,14 @@ def _cmd_fit(ns: argparse.Namespace) -> Dict[str, Any]:
     if ns.json:
         return res
 
-    def ci(v, fmt="{:.4g}"):
-        return f"[{fmt.format(v[0])}, {fmt.format(v[1])}]" if v else "n/a"
-
-    def boot_line(b, what):
-        if b is None:
-            return f"  bootstrap: off ({what} 0)"
-        why = ", ".join(f"{k} {v}" for k, v in sorted(b.failures.items()))
-        return (f"  bootstrap: {b.n_resamples} resamples of the runs within each budget, seed {b.seed}; "
-                f"{b.n_failed} failed{f' ({why})' if why else ''}; intervals are the 2.5/97.5 percentiles of the "
-                f"{b.n_resamples - b.n_failed} others" + ("" if b.ci else " (none: fewer than 10 succeeded)")
-                + ("\n  WARNING: over 10% of the resamples failed; the interval covers only those that did, so it is "
-                   "too narrow (a budget with few runs or sizes is the usual cause: sample more sizes)"
-                   if b.n_failed > 0.1 * b.n_resamples else ""))
-
     for conv in conventions:
-        an, rep = analyses[conv], reports[conv]
-        a2, a3, law = an.approach2, an.approach3, an.approach3.law if an.approach3 else None
-        if len(conventions) > 1:
-            print(f"=== N = {conv} parameters ===")
-        print(f"{len(an.runs)} runs from {path} (N = {conv} parameters), {len(an.groups)} IsoFLOP budget(s)")
-        rows = []
-        for p in a2.parabolas:
-            n3 = law.optimal(p.flops) if law else None
-            rows.append([f"{p.flops:.3g}", p.n_runs, f"{_si(p.n_min)}-{_si(p.n_max)}",
-                         _si(p.n_opt) if p.n_opt else "-", f"[{_si(p.n_opt_ci[0])}, {_si(p.n_opt_ci[1])}]" if p.n_opt_ci else "-",
-                         f"{p.loss_at_min:.4f}" if p.loss_at_min is not None else "-",
-                         _si(n3[0]) if n3 else "-", f"{law.loss(*n3):.4f}" if n3 else "-",
-                         "yes" if p.used else "NO", ", ".join(p.flags) or "-"])
-        print(_table(rows, ["budget (FLOPs)", "runs", "N range", "A2 N_opt", "95% CI", "A2 loss@min",
-                            "A3 N_opt", "A3 loss", "used", "flags"]))
-        flags = sorted({f for p in a2.parabolas for f in p.flags})
-        for f in flags:
-            print(f"  {f}: {FLAG_TEXT[f]}" + (" (budget not used by Approach 2)" if f in REFUSALS else " (warning)"))
-        print(f"Approach 2 (Hoffmann et al. Sec. 3.2: parabola of loss in ln N per budget, power laws over "
-              f"{len(a2.used)} of {len(a2.parabolas)} budgets):")
-        if a2.n_opt_law:
-            bci = a2.bootstrap.ci if a2.bootstrap else {}
-            print(f"  N_opt = k_N C^a: a = {a2.n_opt_law.exponent:.4f}  95% CI {ci(bci.get('a'), '{:.4f}')}  "
-                  f"k_N = {a2.n_opt_law.k:.4g}")
-            print(f"  D_opt = k_D C^b: b = {a2.d_opt_law.exponent:.4f}  95% CI {ci(bci.get('b'), '{:.4f}')}  "
-                  f"k_D = {a2.d_opt_law.k:.4g}  (D_opt = C/(6 N_opt), so b = 1 - a)")
-            print(boot_line(a2.bootstrap, "--bootstrap"))
-        else:
-            print(f"  no power law: {a2.error}")
-        if law:
-            bci = an.approach3_bootstrap.ci if an.approach3_bootstrap else {}
-            print(f"Approach 3 (App. D.2): L(N,D) = E + A/N^alpha + B/D^beta on {a3.n_points} runs, Huber "
-                  f"delta={a3.delta:g} on log loss, best of {a3.n_starts} L-BFGS starts; rms log residual "
-                  f"{a3.rms_log_residual:.4f}")
-            print(_table([[k, f"{getattr(law, k):.5g}", ci(bci.get(k))] for k in ("E", "A", "B", "alpha", "beta")]
-                         + [["a = beta/(alpha+beta)", f"{law.a:.4f}", ci(bci.get("a"), "{:.4f}")],
-                            ["b = alpha/(alpha+beta)", f"{law.b:.4f}", ci(bci.get("b"), "{:.4f}")]],
-                         ["", "value", "95% CI"]))
-            print(f"  compute-optimal: N_opt ∝ C^{law.a:.4f}, D_opt ∝ C^{law.b:.4f}, G={law.G:.4g}")
-            b = an.approach3_bootstrap
-            print(boot_line(b, "--bootstrap-a3") + (f"; {ns.bootstrap_top_k} L-BFGS starts per refit "
-                                                    f"(+ the full-data optimum)" if b else ""))
-        else:
-            print(f"Approach 3: no fit: {an.approach3_error}")
-        if rep["skipped"]:
-            print(f"skipped {len(rep['skipped'])} run(s): "
-                  + "; ".join(f"{s['run']}: {s['reason']}" for s in rep["skipped"][:10]))
-        if ns.out:
-            print(f"plot: {rep['plot']}")
+        _print_analysis(analyses[conv], reports[conv], path, conv, len(conventions) > 1, ns)
     if ns.params == "both":
         print("=== compare parameter counts ===")
         print(_table([[c, f"{v['approach2_a']:.4f}" if v["approach2_a"] is not None else "-",
-                       ci(v["approach2_a_ci"], "{:.4f}"),
+                       _ci(v["approach2_a_ci"], "{:.4f}"),
                        f"{v['approach3_a']:.4f}" if v["approach3_a"] is not None else "-",
-                       ci(v["approach3_a_ci"], "{:.4f}")] for c, v in res["comparison"].items()],
+                       _ci(v["approach3_a_ci"], "{:.4f}")] for c, v in res["comparison"].items()],
                      ["N", "A2 a", "95% CI", "A3 a", "95% CI"]))
     if ns.csv:
         print(f"runs written to {extra['csv']} (reads back as: llama-plan fit {extra['csv']})")

@@ -209,8 +209,7 @@ def collect_runs(sweep_dir: Union[str, Path], params: str = "total") -> Tuple[Li
     root = Path(sweep_dir)
     if not root.is_dir():
         raise ScalingError(f"sweep_dir {root} is not a directory; pass the folder holding the sweep's run dirs")
-    if params not in ("total", "non_embedding"):
-        raise ScalingError(f"params={params!r}: use 'total' (Chinchilla's convention) or 'non_embedding'")
+    _check_params(params)
     runs: List[RunPoint] = []
     skipped: List[Dict[str, str]] = []
     for metrics in sorted(root.rglob("metrics.jsonl")):
@@ -246,10 +245,16 @@ def collect_runs(sweep_dir: Union[str, Path], params: str = "total") -> Tuple[Li
     return runs, skipped
 
 
+def _grouping_key(runs: Sequence[RunPoint]):
+    """What IsoFLOP groups are made on: every run's nominal budget, or (if one lacks it) FLOPs."""
+    if runs and all(r.budget is not None for r in runs):
+        return lambda r: r.budget
+    return lambda r: r.flops
+
+
 def group_budgets(runs: Sequence[RunPoint], rel_tol: float = 0.15) -> List[Tuple[float, List[RunPoint]]]:
     """IsoFLOP groups: runs whose ``flop_budget`` (or, if any run lacks one, FLOPs) agree within rel_tol."""
-    use_budget = bool(runs) and all(r.budget is not None for r in runs)
-    key = (lambda r: r.budget) if use_budget else (lambda r: r.flops)
+    key = _grouping_key(runs)
     out: List[Tuple[float, List[RunPoint]]] = []
     cur: List[RunPoint] = []
 
@@ -299,7 +304,7 @@ def write_runs_csv(runs: Sequence[RunPoint], path: Union[str, Path], params: str
     to fill a count a RunPoint does not carry separately.
     """
     _check_params(params)
-    use_budget = bool(runs) and all(r.budget is not None for r in runs)
+    key = _grouping_key(runs)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as fh:
@@ -309,7 +314,7 @@ def write_runs_csv(runs: Sequence[RunPoint], path: Union[str, Path], params: str
             total = r.total_params if r.total_params is not None else (r.n_params if params == "total" else None)
             non_emb = (r.non_embedding_params if r.non_embedding_params is not None
                        else (r.n_params if params == "non_embedding" else None))
-            w.writerow([_num(r.budget if use_budget else r.flops), _num(total), _num(non_emb), _num(r.tokens),
+            w.writerow([_num(key(r)), _num(total), _num(non_emb), _num(r.tokens),
                         _num(r.val_loss), r.command or "", r.run, _num(r.flops)])
     return path
 
