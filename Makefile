@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED := 1
 # checkouts never rebuild each other's copy.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: setup train test test-fast gpu-check clean
+.PHONY: setup train test test-fast gpu-check scaling-demo clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,13 @@ test-fast: $(STAMP)
 # On a machine with CUDA GPUs: every GPU path, measured (launch/gpu_check.sh); skips without one.
 gpu-check:
 	bash launch/gpu_check.sh $(ARGS)
+
+# Our scaling study, end to end on 2 CPU cores (~50 min): lr vs size, the IsoFLOP sweep, the
+# Approach 2/3 fits and plot, then the compute- vs inference-optimal pair (docs/scaling.md).
+# STAGES=fit,frontier starts from the committed docs/data/isoflop_runs.csv.
+STAGES ?= lr,sweep,fit,frontier
+scaling-demo: $(STAMP)
+	$(BIN)/python -m llama_train.scaling.study --stages $(STAGES) $(ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache

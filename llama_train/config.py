@@ -279,6 +279,14 @@ class ScalingConfig:
     tolerance: float = 0.05  # how far the chosen shape's count may be from the planned N
     # The plan's tokens over the train split: above 1 warns (repeated data), above this refuses.
     max_epochs: float = 4.0
+    # The learning rate per run: optim.lr is the rate at lr_ref_params parameters (this count)
+    # and lr_ref_flops training FLOPs (6 N D of the run); a run of N and C trains at
+    # optim.lr * (N / lr_ref_params)^-lr_exponent * (C / lr_ref_flops)^-lr_flops_exponent.
+    # A null reference leaves its factor out (both null: optim.lr as given).
+    lr_ref_params: Optional[float] = None
+    lr_exponent: float = 0.0
+    lr_ref_flops: Optional[float] = None
+    lr_flops_exponent: float = 0.0
 
     def __post_init__(self) -> None:
         _check_choice("scaling.mode", self.mode,
@@ -288,6 +296,15 @@ class ScalingConfig:
             raise ConfigError(f"scaling.tolerance={self.tolerance} must be in (0, 1), e.g. 0.05.")
         if self.max_epochs <= 0:
             raise ConfigError(f"scaling.max_epochs={self.max_epochs} must be > 0.")
+        for ref, exp, what in (("lr_ref_params", "lr_exponent", "size"),
+                               ("lr_ref_flops", "lr_flops_exponent", "training FLOPs")):
+            value = getattr(self, ref)
+            if value is not None and not value > 0:
+                raise ConfigError(f"scaling.{ref}={value} must be > 0 (the {what} at which "
+                                  f"optim.lr is the tuned rate), or null.")
+            if getattr(self, exp) and value is None:
+                raise ConfigError(f"scaling.{exp}={getattr(self, exp)} needs scaling.{ref} (the "
+                                  f"{what} at which optim.lr is the tuned rate).")
 
 
 @dataclass

@@ -264,10 +264,12 @@ def plan_experiment(cfg: Config, world_size: int):
                           f"data.val_fraction > 0 (default 0.01).")
     t = cfg.trainer
     tokens_per_step = resolve_batch(t, world_size).global_batch * t.seq_len
-    exp = plan_for(cfg.scaling, cfg.model, t.seq_len, tokens_per_step, cfg.optim.warmup_steps)
+    exp = plan_for(cfg.scaling, cfg.model, t.seq_len, tokens_per_step, cfg.optim.warmup_steps,
+                   base_lr=cfg.optim.lr)
     log.info("scaling %s", exp.describe())
-    return replace(cfg, model=exp.model, trainer=replace(t, max_steps=exp.max_steps),
-                   optim=replace(cfg.optim, warmup_steps=exp.warmup_steps)), exp
+    optim = replace(cfg.optim, warmup_steps=exp.warmup_steps,
+                    lr=exp.lr if exp.lr is not None else cfg.optim.lr)
+    return replace(cfg, model=exp.model, trainer=replace(t, max_steps=exp.max_steps), optim=optim), exp
 
 
 def _check_writable(output_dir: str) -> None:

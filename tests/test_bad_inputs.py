@@ -16,6 +16,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import re
+
 import pytest
 import torch
 
@@ -188,15 +190,24 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, monkeypatch, capsy
     """trainer.dry_run=true: shape, parameters, tokens, steps, epochs, FLOPs and a time estimate,
     then exit 0: no process group, no output directory, no data preparation."""
     import torch.distributed as dist
+    from hydra import compose, initialize_config_dir
 
+    from llama_train.config import load_config
+    from llama_train.data import prepare_data
+    from llama_train.paths import CONFIG_DIR
+
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):  # the epochs need the data
+        prepare_data(load_config(compose("config", overrides=TINY)).data, 2048)
     out = tmp_path / "never"
     code, text = llama_train([*TINY, f"trainer.output_dir={out}", "experiment=compute_optimal",
                               "scaling.flops=3e13", "trainer.dry_run=true"], monkeypatch, capsys)
     assert code == 0, text[-3000:]
     for needle in ("dry run (trainer.dry_run=true)", "compute_optimal (fit chinchilla): C=3e+13",
-                   "parameters: ", "tokens/step", "steps: 53,", "epochs of the train split",
+                   "parameters: ", "tokens/step", "steps: ", "epochs of the train split",
                    "FLOPs: ", "estimated time: ", f"output: {out}"):
         assert needle in text, (needle, text[-3000:])
+    planned = re.search(r"tokens, (\d+) steps", text)  # the plan's log line: the steps trained
+    assert planned and f"steps: {int(planned[1]):,} (" in text, text[-3000:]
     assert not out.exists() and not dist.is_initialized()
     # data that is not prepared yet is not prepared by a dry run
     code, text = llama_train([*TINY, f"trainer.output_dir={out}", "trainer.dry_run=true",

@@ -340,7 +340,8 @@ def test_shape_hits_target(target, vocab):
     args = shape_for_params(target, vocab, max_seq_len=1024)
     n = count_params(args)["total"]
     assert n == pytest.approx(target, rel=0.02)
-    assert args.head_dim in (32, 64, 128) and args.dim % 64 == 0
+    assert args.head_dim in (16, 32, 64, 128) and args.dim % (16 if args.dim < 128 else 32 if args.dim < 256 else 64) == 0
+    assert args.head_dim == (16 if args.dim % 32 else 32) or args.dim >= 256
     assert args.n_heads % args.kv_heads == 0 and args.vocab_size == vocab and args.max_seq_len == 1024
     if target >= 1e9:
         assert args.dim % 128 == 0 and args.head_dim == 128 and args.multiple_of == 256
@@ -370,15 +371,17 @@ def test_plan_experiment_none_and_fixed():
     assert _plan() is None  # mode "none"
     plan = _plan(mode="fixed", flops=6e12, params=1e6)
     assert (plan.mode, plan.flops, plan.n_params) == ("fixed", 6e12, 1e6)
-    assert plan.n_tokens == pytest.approx(1e6)  # D = C / (6 N)
-    assert plan.max_steps == 977  # ceil(1e6 / 1024)
-    assert plan.warmup_steps == 97  # capped at a tenth of the steps
     m = plan.model
-    assert count_params(m)["total"] == pytest.approx(1e6, rel=0.05)
+    n = count_params(m)["total"]
+    assert n == pytest.approx(1e6, rel=0.05) and n != 1e6
+    assert plan.n_tokens == pytest.approx(6e12 / (6 * n))  # D = C / (6 N), N the shape's own
+    assert plan.max_steps == math.ceil(plan.n_tokens / 1024)
+    assert plan.warmup_steps == min(100, plan.max_steps // 10)  # capped at a tenth of the steps
+    assert plan.lr is None  # no scaling.lr_ref_params: optim.lr as given
     assert (m.vocab_size, m.max_seq_len) == (2048, 256)  # the model's vocab; max(seq_len, model's)
-    assert plan.describe().startswith("fixed (fit none (fixed N)): C=6e+12 FLOPs -> N=1e+06 "
-                                      "total params (dim ")
-    assert plan.describe().endswith("D=1e+06 tokens, 977 steps")
+    assert plan.describe().startswith(f"fixed (fit none (fixed N)): C=6e+12 FLOPs -> N=1e+06 "
+                                      f"-> built {n:.4g} total params (dim ")
+    assert plan.describe().endswith(f"D={plan.n_tokens:.3g} tokens, {plan.max_steps} steps")
     # scaling.vocab_size wins; a longer seq_len widens max_seq_len; a short warmup is kept
     plan = _plan(seq_len=512, warmup_steps=5, mode="fixed", flops=6e12, params=1e6, vocab_size=1024)
     assert (plan.model.vocab_size, plan.model.max_seq_len, plan.warmup_steps) == (1024, 512, 5)
@@ -387,15 +390,53 @@ def test_plan_experiment_none_and_fixed():
     assert (plan.max_steps, plan.warmup_steps) == (1, 1)
 
 
+def test_plan_experiment_learning_rate_follows_the_size_and_budget():
+    """lr = optim.lr (N / lr_ref_params)^-lr_exponent (6 N D / lr_ref_flops)^-lr_flops_exponent,
+    N the built shape's count."""
+    small = _plan(mode="fixed", flops=6e12, params=1e5, count="non_embedding", tolerance=0.25,
+                  lr_ref_params=1e5, lr_exponent=0.5)
+    big = _plan(mode="fixed", flops=6e12, params=4e5, count="non_embedding", tolerance=0.25,
+                lr_ref_params=1e5, lr_exponent=0.5)
+    n_small, n_big = (count_params(p.model)["non_embedding"] for p in (small, big))
+    assert small.lr == pytest.approx(3e-4 * (n_small / 1e5) ** -0.5)
+    assert big.lr == pytest.approx(3e-4 * (n_big / 1e5) ** -0.5) and big.lr < small.lr
+    assert big.describe().endswith(f", lr {big.lr:.3g}")
+    flat = plan_experiment(ScalingConfig(mode="fixed", flops=6e12, params=4e5, lr_ref_params=1e5),
+                           ModelArgs(vocab_size=2048, max_seq_len=256), 128, 1024, 100, base_lr=1e-3)
+    assert flat.lr == 1e-3  # exponent 0: the given rate at every size
+    # by the run's training FLOPs (6 N D = the budget here), and both factors together
+    by_c = plan_experiment(ScalingConfig(mode="fixed", flops=6e12, params=4e5, lr_ref_flops=6e11,
+                                         lr_flops_exponent=0.5), ModelArgs(vocab_size=2048, max_seq_len=256),
+                           128, 1024, 100, base_lr=1e-3)
+    assert by_c.lr == pytest.approx(1e-3 * 10 ** -0.5)
+    both = _plan(mode="fixed", flops=6e12, params=4e5, count="non_embedding", tolerance=0.25,
+                 lr_ref_params=1e5, lr_exponent=0.5, lr_ref_flops=6e11, lr_flops_exponent=0.5)
+    assert both.lr == pytest.approx(big.lr * 10 ** -0.5)
+    with pytest.raises(ConfigError, match=r"scaling\.lr_flops_exponent=0\.4 needs scaling\.lr_ref_flops"):
+        ScalingConfig(mode="fixed", lr_flops_exponent=0.4)
+    with pytest.raises(ConfigError, match=r"scaling\.lr_exponent=0\.3 needs scaling\.lr_ref_params"):
+        ScalingConfig(mode="fixed", lr_exponent=0.3)
+    with pytest.raises(ConfigError, match=r"scaling\.lr_ref_params=0"):
+        ScalingConfig(mode="fixed", lr_ref_params=0)
+
+
 @pytest.mark.parametrize("mode", ["compute_optimal", "inference_optimal"])
 def test_plan_experiment_follows_the_planners(mode):
     kw = {"inference_tokens": 1e10} if mode == "inference_optimal" else {}
     plan = _plan(mode=mode, flops=3e14, fit="epoch", **kw)
     want = (compute_optimal(3e14, fit="epoch") if mode == "compute_optimal"
             else inference_optimal(3e14, 1e10, fit="epoch"))
-    assert (plan.n_params, plan.n_tokens) == (want["n_params"], want["n_tokens"])
-    assert count_params(plan.model)["total"] == pytest.approx(want["n_params"], rel=0.05)
-    assert plan.max_steps == math.ceil(want["n_tokens"] / 1024)
+    n = count_params(plan.model)["total"]
+    assert plan.n_params == want["n_params"] and plan.shape_params == n
+    assert n == pytest.approx(want["n_params"], rel=0.05)
+    if mode == "compute_optimal":  # the built shape spends the budget exactly
+        assert plan.n_tokens == pytest.approx(3e14 / (6 * n))
+    else:  # the built shape trains until it reaches the target loss
+        law = load_fit("epoch")
+        assert law.loss(n, plan.n_tokens) == pytest.approx(want["loss"], rel=1e-9)
+        assert (n > want["n_params"]) == (plan.n_tokens < want["n_tokens"])
+    assert plan.target_loss == want["loss"]
+    assert plan.max_steps == math.ceil(plan.n_tokens / 1024)
     assert plan.describe().startswith(f"{mode} (fit epoch): C=3e+14 FLOPs")
 
 
@@ -415,16 +456,17 @@ def test_small_budget_errors_name_config_keys_that_exist():
     from llama_train.config import config_keys
 
     with pytest.raises(ConfigError) as err:
-        _plan(mode="compute_optimal", flops=3e12)  # N = 2.6e5: below the 2048-vocab embeddings
+        _plan(mode="compute_optimal", flops=3e11)  # N = 9.1e4: below the 2048-vocab embeddings
     msg = str(err.value)
     named = set(re.findall(r"\b((?:scaling|model)\.[a-z_]+)", msg))
     assert {"scaling.tolerance", "scaling.count", "model.tie_embeddings"} <= named, msg
     assert named <= set(config_keys()), named - set(config_keys())
     # and following it works: non-embedding counts, or a wider tolerance
-    plan = _plan(mode="compute_optimal", flops=3e12, count="non_embedding", tolerance=0.1)
-    assert count_params(plan.model)["non_embedding"] == pytest.approx(plan.n_params, rel=0.1)
-    assert plan.describe().startswith("compute_optimal (fit chinchilla): C=3e+12 FLOPs -> "
-                                      "N=2.58e+05 non_embedding params")
+    plan = _plan(mode="compute_optimal", flops=3e11, count="non_embedding", tolerance=0.1)
+    n = count_params(plan.model)["non_embedding"]
+    assert n == pytest.approx(plan.n_params, rel=0.1)
+    assert plan.describe().startswith("compute_optimal (fit chinchilla): C=3e+11 FLOPs -> "
+                                      f"N=9.13e+04 -> built {n:.4g} non_embedding params")
     plan = _plan(mode="compute_optimal", flops=1e13, tolerance=0.06)
     assert count_params(plan.model)["total"] == pytest.approx(plan.n_params, rel=0.06)
     with pytest.raises(ConfigError, match="scaling.count"):

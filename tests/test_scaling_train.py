@@ -39,8 +39,9 @@ def test_experiment_sets_shape_and_steps(experiment, extra):
             else inference_optimal(3e14, 1e9, fit="sardana"))
     n = count_params(cfg.model)[cfg.scaling.count]  # the yaml's: non_embedding at CPU scale
     assert abs(n - plan["n_params"]) / plan["n_params"] < cfg.scaling.tolerance
+    assert exp.shape_params == n  # D is sized for the built shape (tests/test_scaling.py)
     tokens_per_step = resolve_batch(cfg.trainer, 1).tokens_per_step
-    assert cfg.trainer.max_steps == math.ceil(plan["n_tokens"] / tokens_per_step)
+    assert cfg.trainer.max_steps == math.ceil(exp.n_tokens / tokens_per_step)
     assert cfg.optim.warmup_steps <= cfg.trainer.max_steps
 
 

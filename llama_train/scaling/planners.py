@@ -157,6 +157,10 @@ def _savings(base: Dict[str, float], best: Dict[str, float]) -> Dict[str, float]
 # =============================================================================================
 
 def _head_dim_for(dim: int) -> int:
+    if dim < 32:  # the tiniest widths, 16 and 24
+        return 8
+    if dim < 64 or dim % 32:  # the tiny widths 32, 48, 80, 112
+        return 16
     return 32 if dim < 512 else 64 if dim < 2048 else 128
 
 
@@ -169,19 +173,21 @@ def _kv_heads_for(n_heads: int) -> int:
 
 
 def target_aspect_ratio(dim: int) -> float:
-    """dim / n_layers we aim for: 64 up to dim 768, 128 from dim 2048, log-linear between.
+    """dim / n_layers we aim for: 32 up to dim 128, 64 from 512 to 768, 128 from dim 2048,
+    log-linear between.
 
     GPT-3 small/medium sit at 43-64, LLaMA 7B/13B and Llama-3 8B at 128, the 65-70B models at
     ~102; Kaplan et al. 2020 found loss nearly flat over aspect ratios ~20-200, so this only
-    needs to be sensible, not optimal.
+    needs to be sensible, not optimal. Below dim 512 the lower target keeps tiny models from
+    being a single layer (dim 64 x 2 layers, not 1): a one-layer model cannot compose attention
+    heads, and in our tiny IsoFLOP sweeps it breaks the smooth loss-vs-size curve.
     """
-    lo, hi = 768, 2048
-    if dim <= lo:
-        return 64.0
-    if dim >= hi:
-        return 128.0
-    t = math.log(dim / lo) / math.log(hi / lo)
-    return 64.0 * 2.0**t
+    for lo, hi, r_lo, r_hi in ((128, 512, 32.0, 64.0), (768, 2048, 64.0, 128.0)):
+        if dim <= lo:
+            return r_lo
+        if dim < hi:
+            return r_lo * (r_hi / r_lo) ** (math.log(dim / lo) / math.log(hi / lo))
+    return 128.0
 
 
 def shape_for_params(
@@ -195,10 +201,11 @@ def shape_for_params(
 ) -> "ModelArgs":
     """A LLaMA-shaped ``ModelArgs`` whose ``count_params(...)[count]`` is within ``tolerance`` of n_params.
 
-    Rule: dim is a multiple of 64 below 1024 and of 128 above; head_dim 32 (dim < 512),
+    Rule: dim is a multiple of 16 below 128, of 32 below 256, of 64 below 1024 and of 128
+    above; head_dim 16 (dims 32, 48, 80, 112), 32 (dim < 512),
     64 (dim < 2048) or 128; n_kv_heads = n_heads/4 when n_heads >= 8 and divisible by 4
     (else n_heads/2 if even and >= 8, else plain MHA); SwiGLU hidden by the LLaMA rule with
-    multiple_of 256 (dim >= 1024) or 64. For each dim the layer count that best hits the target
+    multiple_of 256 (dim >= 1024), 64 (dim >= 256) or 32. For each dim the layer count that best hits the target
     is computed; among dims within tolerance we take the one whose dim/n_layers is closest (in
     log) to :func:`target_aspect_ratio`. ``count="total"`` is Chinchilla's N (embeddings
     included); use "non_embedding" for Kaplan-style counts.
@@ -213,9 +220,11 @@ def shape_for_params(
     make = partial(_make_shape, vocab_size=vocab_size, max_seq_len=max_seq_len, tie_embeddings=tie_embeddings)
 
     # "Nice" widths first: n_heads a multiple of 4 from dim 512 (so GQA groups of 4 divide
-    # evenly), i.e. steps of 64 below 512, 256 up to 2048, 512 above. If no depth lands
-    # within tolerance there, any multiple of 64 (<1024) / 128 may be used.
-    nice = list(range(64, 512, 64)) + list(range(512, 2048, 256)) + list(range(2048, 32768 + 1, 512))
+    # evenly), i.e. steps of 32 below 256 (where one layer more or less is a large step in N,
+    # IsoFLOP sweeps of tiny models need the finer widths; 16 below 128), 64 below 512, 256 up to 2048, 512
+    # above. If no depth lands within tolerance there, any multiple of 64 (<1024) / 128 may be used.
+    nice = (list(range(16, 32, 8)) + list(range(32, 128, 16)) + list(range(128, 256, 32)) + list(range(256, 512, 64))
+            + list(range(512, 2048, 256)) + list(range(2048, 32768 + 1, 512)))
     best_fit, closest = _search_dims(nice, make, target, count, tolerance)
     if best_fit is None:
         any_dims = list(range(64, 1024, 64)) + list(range(1024, 32768 + 1, 128))
@@ -243,8 +252,14 @@ def _make_shape(dim: int, layers: int, *, vocab_size: int, max_seq_len: int, tie
     hd = _head_dim_for(dim)
     n_heads = dim // hd
     return ModelArgs(dim=dim, n_layers=layers, n_heads=n_heads, n_kv_heads=_kv_heads_for(n_heads),
-                     vocab_size=vocab_size, multiple_of=256 if dim >= 1024 else 64,
+                     vocab_size=vocab_size,
+                     multiple_of=256 if dim >= 1024 else 64 if dim >= 256 else 32,
                      max_seq_len=max_seq_len, tie_embeddings=tie_embeddings)
+
+
+# A shape more than 4x deeper or shallower than target_aspect_ratio is not a LLaMA shape (e.g.
+# 10 layers of width 32 under a large vocabulary's embeddings): never chosen.
+_MAX_ASPECT_MISS = math.log(4.0)
 
 
 def _search_dims(
@@ -266,8 +281,8 @@ def _search_dims(
         err = abs(base + layers * per_layer - target) / target
         if closest is None or err < closest[0]:
             closest = (err, dim, layers)
-        if err <= tolerance:
-            miss = abs(math.log((dim / layers) / target_aspect_ratio(dim)))
+        miss = abs(math.log((dim / layers) / target_aspect_ratio(dim)))
+        if err <= tolerance and miss <= _MAX_ASPECT_MISS:
             if best is None or (miss, err) < best[:2]:
                 best = (miss, err, dim, layers)
     return best, closest
@@ -282,30 +297,42 @@ class ExperimentPlan:
     """What ``experiment=compute_optimal|inference_optimal|isoflop`` trains; see :func:`plan_experiment`."""
 
     mode: str  # compute_optimal | inference_optimal | fixed
-    flops: float  # the training budget C
+    flops: float  # the training budget C (inference_optimal: the reference model's budget)
     n_params: float  # the planned N (before shape rounding)
-    n_tokens: float  # the planned D
+    n_tokens: float  # D for the shape built: flops / (6 shape_params), or on the iso-loss curve
     model: "ModelArgs"  # the shape chosen for n_params
     max_steps: int
     warmup_steps: int
     fit: str = "chinchilla"  # the loss law that chose N and D (LossLaw.name)
     count: str = "total"  # which parameter count N is
+    lr: Optional[float] = None  # the run's learning rate (scaling.lr_ref_*), else optim.lr
+    shape_params: Optional[float] = None  # the built shape's count (``count``)
+    target_loss: Optional[float] = None  # the law's loss for the plan (not for mode=fixed)
 
     def describe(self) -> str:
         """One line for the log."""
         m = self.model
-        return (f"{self.mode} (fit {self.fit}): C={self.flops:.3g} FLOPs -> N={self.n_params:.3g} "
+        built = f" -> built {self.shape_params:.4g}" if self.shape_params is not None else ""
+        return (f"{self.mode} (fit {self.fit}): C={self.flops:.3g} FLOPs -> N={self.n_params:.3g}{built} "
                 f"{self.count} params (dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads), "
-                f"D={self.n_tokens:.3g} tokens, {self.max_steps} steps")
+                f"D={self.n_tokens:.3g} tokens, {self.max_steps} steps"
+                + (f", lr {self.lr:.3g}" if self.lr is not None else ""))
 
 
 def plan_experiment(
     s: "ScalingConfig", model: "ModelArgs", seq_len: int, tokens_per_step: int, warmup_steps: int,
+    base_lr: float = 3e-4,
 ) -> Optional[ExperimentPlan]:
     """The plan for ``scaling.mode`` (None for "none"): N and D from the compute-optimal or
-    inference-optimal allocation of ``s.flops`` (or ``s.params`` trained on flops / 6N tokens,
-    "fixed", a point of an IsoFLOP sweep), a LLaMA shape for N, and the steps that train on D
-    tokens at ``tokens_per_step``; warmup is capped at a tenth of them. Nothing is mutated.
+    inference-optimal allocation of ``s.flops`` (or ``s.params``, "fixed", a point of an IsoFLOP
+    sweep), a LLaMA shape for N, and the steps that train that shape on D tokens at
+    ``tokens_per_step``: D = flops / (6 N_shape), or for inference_optimal the tokens at which
+    N_shape reaches the target loss, so that rounding N to a shape neither over- nor under-spends
+    the budget nor misses the target. Warmup is
+    capped at a tenth of them. With ``s.lr_ref_params`` / ``s.lr_ref_flops`` set, the learning
+    rate follows the run: ``base_lr`` is the rate at that size / training compute, scaled by
+    (N / lr_ref_params)^-lr_exponent (6 N D / lr_ref_flops)^-lr_flops_exponent (the tuned rate
+    falls with the budget; docs/scaling.md measures it). Nothing is mutated.
     Raises ConfigError naming the missing ``scaling.*`` key.
     """
     if s.mode == "none":
@@ -336,8 +363,31 @@ def plan_experiment(
             f"scaling.tolerance (now {s.tolerance}), scaling.count=non_embedding (N without the "
             f"embeddings), model.tie_embeddings=true, a smaller scaling.vocab_size / "
             f"model.vocab_size, or a larger scaling.flops.") from None
-    max_steps = max(1, math.ceil(plan["n_tokens"] / tokens_per_step))
+    from llama_train.model import count_params
+
+    # D for the shape actually built (its count is within scaling.tolerance of the plan's N):
+    # a budget is spent exactly (C = 6 N D); an inference-optimal model trains to the target
+    # loss on the iso-loss curve of the law that planned it.
+    n_shape = float(count_params(shape)[s.count])
+    if s.mode == "inference_optimal":
+        tokens = float(load_fit(s.fit).tokens_for_loss(n_shape, plan["loss"]))
+        if not math.isfinite(tokens):
+            raise ConfigError(
+                f"scaling.mode=inference_optimal: the shape built for N={plan['n_params']:.4g} has "
+                f"{n_shape:.4g} params, too few to reach the target loss {plan['loss']:.4g} at any "
+                f"token count: lower scaling.tolerance (now {s.tolerance}).")
+    else:
+        tokens = s.flops / (6 * n_shape)
+    max_steps = max(1, math.ceil(tokens / tokens_per_step))
+    lr = None  # optim.lr (N / lr_ref_params)^-lr_exponent (6 N D / lr_ref_flops)^-lr_flops_exponent
+    if s.lr_ref_params is not None or s.lr_ref_flops is not None:
+        lr = base_lr
+        if s.lr_ref_params is not None:
+            lr *= (n_shape / s.lr_ref_params) ** (-s.lr_exponent)
+        if s.lr_ref_flops is not None:
+            lr *= (6 * n_shape * tokens / s.lr_ref_flops) ** (-s.lr_flops_exponent)
     return ExperimentPlan(mode=s.mode, flops=float(s.flops), n_params=float(plan["n_params"]),
-                          n_tokens=float(plan["n_tokens"]), model=shape, max_steps=max_steps,
+                          n_tokens=tokens, model=shape, max_steps=max_steps,
                           warmup_steps=min(warmup_steps, max(1, max_steps // 10)), fit=fit,
-                          count=s.count)
+                          count=s.count, lr=lr, shape_params=n_shape,
+                          target_loss=plan.get("loss"))

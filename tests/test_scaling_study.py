@@ -1,0 +1,140 @@
+"""Our scaling study (llama_train.scaling.study, docs/scaling.md): its design, and the committed
+results it produced: the fits recomputed from docs/data/isoflop_runs.csv, the compute- vs
+inference-optimal pair, and one row's command rerun for real."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+from llama_train.model import count_params
+from llama_train.scaling.planners import shape_for_params, target_aspect_ratio
+from llama_train.scaling.study import BUDGETS, TOLERANCE, VOCAB, ladder, main, sizes_for
+
+RUNS_CSV = REPO / "docs" / "data" / "isoflop_runs.csv"
+FRONTIER_CSV = REPO / "docs" / "data" / "frontier_runs.csv"
+STDLIB_TRAIN_TOKENS = 16_748_322  # data.source=stdlib at vocab 512 (llama-data info)
+
+
+def _rows(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_ladder_is_one_shape_family_the_planner_builds():
+    sizes = ladder()
+    assert sizes == sorted(set(sizes)) and len(sizes) >= 12
+    for n in sizes:
+        m = shape_for_params(n, VOCAB, 256, count="non_embedding", tolerance=TOLERANCE)
+        assert count_params(m)["non_embedding"] == n  # the target is what gets built
+        assert abs(math.log(m.dim / m.n_layers / target_aspect_ratio(m.dim))) <= math.log(1.6)
+
+
+def test_each_budget_gets_five_sizes_around_its_optimum_within_one_epoch():
+    lad = ladder()
+    assert math.log10(max(BUDGETS) / min(BUDGETS)) >= 1.5
+    for c in BUDGETS:
+        ns = sizes_for(c, STDLIB_TRAIN_TOKENS, lad)
+        assert len(ns) >= 5, (c, ns)
+        assert all(b / a >= 1.3 for a, b in zip(ns, ns[1:]))
+        assert all(c / (6 * n) <= STDLIB_TRAIN_TOKENS for n in ns)  # no budget repeats its data
+        assert max(ns) / min(ns) >= 5  # wide enough for a parabola to have a minimum inside
+    # the epoch cap is applied: a corpus half as large drops the smallest sizes of the top budget
+    assert min(sizes_for(1e13, STDLIB_TRAIN_TOKENS / 2, lad)) > min(sizes_for(1e13, STDLIB_TRAIN_TOKENS, lad))
+
+
+def test_unknown_stage_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--stages", "sweep,plot"])
+    assert e.value.code == 2 and "unknown ['plot']" in capsys.readouterr().err
+
+
+def test_committed_sweep_recovers_the_chinchilla_exponent():
+    """`llama-plan fit docs/data/isoflop_runs.csv` from the committed runs: Approach 2 and 3 both
+    put a (N_opt ∝ C^a) in [0.40, 0.60], with their bootstrap intervals."""
+    rows = _rows(RUNS_CSV)
+    budgets = {}
+    for r in rows:
+        budgets.setdefault(float(r["flops"]), []).append(r)
+        cmd = shlex.split(r["command"])
+        assert cmd[:3] == ["llama-train", "experiment=isoflop", "+study=cpu"], r["command"]
+    assert len(budgets) >= 4 and all(len(v) >= 5 for v in budgets.values())
+    out = subprocess.run([sys.executable, "-m", "llama_train.scaling", "fit", str(RUNS_CSV), "--params",
+                          "non_embedding", "--bootstrap", "100", "--bootstrap-a3", "20", "--json"],
+                         capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    a2, a3 = res["approach2"], res["approach3"]
+    assert 0.40 <= a2["a"] <= 0.60 and a2["a_ci"] is not None, a2
+    assert 0.40 <= a3["a"] <= 0.60, a3
+    assert a2["budgets_used"] == a2["budgets"] == len(budgets)  # every budget has its minimum inside
+
+
+def test_committed_frontier_pair_keeps_its_promise():
+    """The inference-optimal model is smaller, trained on more tokens, costs fewer lifetime FLOPs,
+    and its measured loss is near the target."""
+    co, io = _rows(FRONTIER_CSV)
+    assert (co["model"], io["model"]) == ("compute-optimal", "inference-optimal")
+    assert int(io["non_embedding_params"]) < int(co["non_embedding_params"])
+    assert int(io["tokens"]) > int(co["tokens"])
+    assert float(io["lifetime_flops"]) < float(co["lifetime_flops"])
+    for r in (co, io):
+        assert abs(float(r["val_loss"]) / float(r["target_loss"]) - 1) < 0.02, r
+        assert shlex.split(r["command"])[0] == "llama-train" and "+study=cpu" in r["command"]
+
+
+@pytest.mark.slow
+def test_a_committed_row_reruns_to_its_val_loss(tmp_path):
+    """The cheapest row of the committed sweep, its own command run again: val_loss within 1%."""
+    rows = _rows(RUNS_CSV)
+    row = min(rows, key=lambda r: float(r["flops"]) / float(r["non_embedding_params"]))
+    cmd = shlex.split(row["command"])
+    cmd = [c for c in cmd[1:] if not c.startswith("trainer.output_dir=")]
+    out = tmp_path / "rerun"
+    subprocess.run([sys.executable, "-m", "llama_train.train", *cmd, f"trainer.output_dir={out}",
+                    "tracking=disabled"], cwd=REPO, check=True, timeout=900,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    got = json.loads((out / "run_info.json").read_text())["final_val_loss"]
+    assert abs(got / float(row["val_loss"]) - 1) < 0.01, (got, row["val_loss"], row["command"])
+
+
+def test_the_learning_rate_rule_is_the_one_the_committed_lr_sweep_measured():
+    """configs/study/cpu.yaml's lr = optim.lr (C / lr_ref_flops)^-lr_flops_exponent is what
+    docs/data/lr_sweep.csv gives: the best rate of two sizes a decade apart, each at about its
+    optimal budget (parabola in ln lr around the lowest loss), and the power law through the
+    two; and at one size the better rate falls with the budget."""
+    import yaml
+
+    from llama_train.scaling.study import LR_POINTS, best_lr
+
+    rows = _rows(REPO / "docs" / "data" / "lr_sweep.csv")
+    group = {}
+    for r in rows:
+        group.setdefault((int(r["non_embedding_params"]), float(r["flops"])), []).append(
+            (float(r["lr"]), float(r["val_loss"])))
+    assert set(group) == {(n, c) for n, c, _ in LR_POINTS}
+    best = {}
+    for (n, c, _) in LR_POINTS[:2]:
+        got = group[(n, c)]
+        assert len(got) >= 5
+        best[c], how = best_lr([g[0] for g in got], [g[1] for g in got])
+        assert "edge" not in how, (n, how)  # the grid brackets the optimum
+    (c1, lr1), (c2, lr2) = sorted(best.items())
+    assert c2 / c1 >= 10
+    k = -math.log(lr2 / lr1) / math.log(c2 / c1)
+    cfg = yaml.safe_load((REPO / "configs" / "study" / "cpu.yaml").read_text())
+    s = cfg["scaling"]
+    assert s["lr_flops_exponent"] == pytest.approx(k, abs=0.01) and "lr_ref_params" not in s
+    assert cfg["optim"]["lr"] == pytest.approx(lr1 * (s["lr_ref_flops"] / c1) ** -k, rel=0.02)
+    # one size, two budgets: the lower rate wins at the larger budget, not at the smaller
+    small, large = (sorted(group[(139584, c)]) for c in (1e12, 1e13))
+    assert large[0][0] < large[1][0] and large[0][1] < large[1][1]  # 1e13: lower rate, lower loss
+    assert small[0][0] == large[0][0] and small[0][1] > small[1][1]  # 1e12: the same rate loses
+    assert best_lr([1e-3, 2e-3, 4e-3], [3.0, 2.9, 2.8])[1].startswith("at the edge")
