@@ -241,7 +241,7 @@ def _fit_each(ns: argparse.Namespace, path: Path, conventions, repro: str):
                 f"fit: {len(runs)} usable run(s) under {path} with {conv} params (need >= 5: run dirs with "
                 f"metrics.jsonl holding a val_loss and run_info.json, or CSV rows); skipped: {skipped[:5]}")
         an = analyse_runs(runs, params=conv, top_k=ns.top_k, bootstrap=ns.bootstrap, bootstrap_a3=ns.bootstrap_a3,
-                          bootstrap_top_k=ns.bootstrap_top_k, seed=ns.seed,
+                          bootstrap_top_k=ns.bootstrap_top_k, seed=ns.seed, window=ns.window,
                           name=(path.stem if path.is_file() else path.name) or "fitted")
         rep = {**an.to_dict(), "source": str(path), "runs": [vars(r) for r in runs], "skipped": skipped,
                "command": repro}
@@ -290,7 +290,8 @@ def _print_analysis(an, rep: Dict[str, Any], path: Path, conv: str, several: boo
     flags = sorted({f for p in a2.parabolas for f in p.flags})
     for f in flags:
         print(f"  {f}: {FLAG_TEXT[f]}" + (" (budget not used by Approach 2)" if f in REFUSALS else " (warning)"))
-    print(f"Approach 2 (Hoffmann et al. Sec. 3.2: parabola of loss in ln N per budget, power laws over "
+    near = f" over the runs within {ns.window} sizes of its best" if ns.window is not None else ""
+    print(f"Approach 2 (Hoffmann et al. Sec. 3.2: parabola of loss in ln N per budget{near}, power laws over "
           f"{len(a2.used)} of {len(a2.parabolas)} budgets):")
     if a2.n_opt_law:
         bci = a2.bootstrap.ci if a2.bootstrap else {}
@@ -330,8 +331,11 @@ def _cmd_fit(ns: argparse.Namespace) -> Dict[str, Any]:
     path = Path(ns.sweep_dir)
     conventions = ["total", "non_embedding"] if ns.params == "both" else [ns.params]
     repro = "llama-plan fit " + shlex.join([
-        str(path), "--params", ns.params, "--top-k", str(ns.top_k or 0), "--bootstrap", str(ns.bootstrap),
+        str(path), "--params", ns.params, *(["--window", str(ns.window)] if ns.window is not None else []),
+        "--top-k", str(ns.top_k or 0), "--bootstrap", str(ns.bootstrap),
         "--bootstrap-a3", str(ns.bootstrap_a3), "--bootstrap-top-k", str(ns.bootstrap_top_k), "--seed", str(ns.seed)])
+    if ns.window is not None and ns.window < 1:
+        raise ScalingError(f"--window={ns.window} must be >= 1 (sizes either side of the best run)")
     for k in ("bootstrap", "bootstrap_a3"):
         if getattr(ns, k) < 0:
             raise ScalingError(f"--{k.replace('_', '-')}={getattr(ns, k)} must be >= 0")
@@ -451,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-top-k", type=int, default=10, metavar="K",
                    help="L-BFGS starts per Approach 3 bootstrap refit (plus the full-data optimum)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed (same seed, same intervals)")
+    p.add_argument("--window", type=int, default=None, metavar="K",
+                   help="Approach 2: fit each budget's parabola to the runs within K sizes either side of "
+                        "its best run (default: all runs; far from the minimum a curve is not a parabola in ln N)")
     common(p, fit=False)
     p.set_defaults(func=_cmd_fit)
     return parser

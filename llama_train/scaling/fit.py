@@ -389,13 +389,28 @@ def _quadratic(x: np.ndarray, l: np.ndarray) -> np.ndarray:
     return np.linalg.lstsq(v, l, rcond=None)[0]
 
 
-def _parabola_min(x: np.ndarray, l: np.ndarray, min_runs: int = 3, x_range: Optional[Tuple[float, float]] = None):
+def _near_best(x: np.ndarray, l: np.ndarray, window: int) -> np.ndarray:
+    """Mask of the runs whose size is among the ``window`` sizes either side of the best run's
+    (and the best run's own): the part of an IsoFLOP curve a parabola in ln N describes."""
+    sizes = np.unique(x)
+    i = int(np.searchsorted(sizes, x[int(np.argmin(l))]))
+    return np.isin(x, sizes[max(0, i - window):i + window + 1])
+
+
+def _parabola_min(x: np.ndarray, l: np.ndarray, min_runs: int = 3, x_range: Optional[Tuple[float, float]] = None,
+                  window: Optional[int] = None):
     """(x0, coeffs in x - x0, x at the minimum or None, refusal or None); x = ln N.
 
     Shared by the fit and every bootstrap refit so both refuse the same cases. ``x_range`` is the
     range the minimum must lie in (default: x's own); a bootstrap refit passes the budget's full
-    sampled range, since a resample that happens to miss an edge run has not sampled less.
+    sampled range, since a resample that happens to miss an edge run has not sampled less. With
+    ``window`` only the runs within that many sizes of the best run are fitted, and the minimum
+    must lie within their range.
     """
+    if window is not None and x.size:
+        keep = _near_best(x, l, window)
+        x, l = x[keep], l[keep]
+        x_range = (float(x.min()), float(x.max()))
     if x.size < min_runs:
         return None, None, None, "too_few_runs"
     if np.unique(x).size < 3:
@@ -452,11 +467,13 @@ class IsoFlopParabola:
                                                                      "c1": self.coeffs[1], "c2": self.coeffs[2]}}
 
 
-def fit_isoflop_parabola(flops: float, members: Sequence[RunPoint], min_runs: int = 3) -> IsoFlopParabola:
-    """Least-squares parabola of val_loss against ln N over one IsoFLOP group; flags refusals."""
+def fit_isoflop_parabola(flops: float, members: Sequence[RunPoint], min_runs: int = 3,
+                         window: Optional[int] = None) -> IsoFlopParabola:
+    """Least-squares parabola of val_loss against ln N over one IsoFLOP group (or, with
+    ``window``, over the runs within that many sizes of its best run); flags refusals."""
     x = np.log([r.n_params for r in members])
     l = np.array([r.val_loss for r in members], dtype=float)
-    x0, c, xm, why = _parabola_min(x, l, min_runs)
+    x0, c, xm, why = _parabola_min(x, l, min_runs, window=window)
     flags = [why] if why else []
     best = min(members, key=lambda r: r.val_loss)
     n_sizes = [r.n_params for r in members]
@@ -550,16 +567,17 @@ class Approach2Result:
 
 
 def fit_approach2(runs: Sequence[RunPoint], *, groups: Optional[List[Tuple[float, List[RunPoint]]]] = None,
-                  bootstrap: int = 0, seed: int = 0, min_runs: int = 3) -> Approach2Result:
+                  bootstrap: int = 0, seed: int = 0, min_runs: int = 3, window: Optional[int] = None) -> Approach2Result:
     """Hoffmann et al.'s Approach 2: a parabola in ln N per budget, then N_opt, D_opt ∝ C^a, C^b.
 
     Budgets whose parabola is refused (see REFUSALS) are reported, not used. With ``bootstrap``
     > 0 the runs of every used budget are resampled with replacement (each budget keeps its
     size) and everything refitted; a resample in which any used budget gets refused counts as
-    failed and is left out of the intervals.
+    failed and is left out of the intervals. ``window``: fit each parabola to the runs within
+    that many sizes of the budget's best run (None: all), in the fit and in every resample.
     """
     groups = group_budgets(runs) if groups is None else groups
-    parabolas = [fit_isoflop_parabola(c, members, min_runs) for c, members in groups]
+    parabolas = [fit_isoflop_parabola(c, members, min_runs, window) for c, members in groups]
     used = [p for p in parabolas if p.used]
     if len(used) < 2:
         why = "; ".join(f"{p.flops:.3g}: {', '.join(FLAG_TEXT[f] for f in p.flags)}" for p in parabolas if not p.used)
@@ -572,11 +590,12 @@ def fit_approach2(runs: Sequence[RunPoint], *, groups: Optional[List[Tuple[float
     if bootstrap > 0:
         data = [(np.log([r.n_params for r in members]), np.array([r.val_loss for r in members], dtype=float))
                 for p, (_, members) in zip(parabolas, groups) if p.used]
-        res.bootstrap = _bootstrap_approach2(data, used, bootstrap, seed, min_runs)
+        res.bootstrap = _bootstrap_approach2(data, used, bootstrap, seed, min_runs, window)
     return res
 
 
-def _bootstrap_approach2(data, used: List[IsoFlopParabola], n: int, seed: int, min_runs: int) -> BootstrapResult:
+def _bootstrap_approach2(data, used: List[IsoFlopParabola], n: int, seed: int, min_runs: int,
+                         window: Optional[int] = None) -> BootstrapResult:
     rng = np.random.default_rng([seed, 2])
     log_c = np.log([p.flops for p in used])
     log_c6 = log_c - math.log(6.0)
@@ -588,7 +607,7 @@ def _bootstrap_approach2(data, used: List[IsoFlopParabola], n: int, seed: int, m
         why_this = set()
         for j, (x, l) in enumerate(data):
             idx = _resample(rng, x.size)
-            _, _, xm, why = _parabola_min(x[idx], l[idx], min_runs, (float(x.min()), float(x.max())))
+            _, _, xm, why = _parabola_min(x[idx], l[idx], min_runs, (float(x.min()), float(x.max())), window)
             if why:
                 why_this.add(why)
             else:
@@ -690,11 +709,11 @@ class SweepAnalysis:
 
 def analyse_runs(runs: Sequence[RunPoint], *, params: str = "total", top_k: Optional[int] = 64,
                  bootstrap: int = 200, bootstrap_a3: int = 100, bootstrap_top_k: int = 10, seed: int = 0,
-                 name: str = "fitted") -> SweepAnalysis:
+                 name: str = "fitted", window: Optional[int] = None) -> SweepAnalysis:
     """Both approaches with bootstrap intervals; either may fail (its error is kept), not both."""
     runs = list(runs)
     groups = group_budgets(runs)
-    a2 = fit_approach2(runs, groups=groups, bootstrap=bootstrap, seed=seed)
+    a2 = fit_approach2(runs, groups=groups, bootstrap=bootstrap, seed=seed, window=window)
     a3 = a3_boot = a3_err = None
     try:
         a3 = fit_loss_law([r.n_params for r in runs], [r.tokens for r in runs], [r.val_loss for r in runs],

@@ -12,8 +12,8 @@ Stages, each a set of real ``llama-train`` / ``llama-plan`` commands (printed as
   ``scaling.lr_flops_exponent``), k from the two grids. Writes ``<docs>/data/lr_sweep.csv``.
 * ``sweep``: the IsoFLOP grid, ``experiment=isoflop +study=cpu`` at each budget for the
   sizes of :func:`ladder` around a guessed optimum, each run its own ``llama-train`` command.
-* ``fit``: ``llama-plan fit`` on the sweep (Approach 2 and 3, bootstrap intervals, both
-  parameter counts): ``<docs>/data/isoflop_runs.csv``, ``<docs>/img/isoflop.png`` and the
+* ``fit``: ``llama-plan fit`` on the sweep (Approach 2 over the runs near each budget's best,
+  Approach 3, bootstrap intervals, both parameter counts): ``<docs>/data/isoflop_runs.csv``, ``<docs>/img/isoflop.png`` and the
   Approach 3 law ``<docs>/data/isoflop_fit.yaml`` (non-embedding N).
 * ``frontier``: with that law, ``experiment=compute_optimal`` and ``experiment=inference_optimal``
   at one budget: each one trained, its val loss against the law's target, and its lifetime
@@ -58,7 +58,11 @@ LR_POINTS = ((52368, 3e11, (2e-3, 3e-3, 4.5e-3, 7e-3, 1e-2, 1.5e-2)),
              (531216, 1e13, (1e-3, 1.5e-3, 2e-3, 3e-3, 4.5e-3, 7e-3)),
              (139584, 1e12, (2.5e-3, 4.944e-3, 1e-2)),
              (139584, 1e13, (2.5e-3, 4.944e-3)))
-FRONTIER_FLOPS, INFERENCE_TOKENS = 3e12, 5e7
+FRONTIER_FLOPS, INFERENCE_TOKENS = 3e12, 3e7
+# Approach 2's parabolas: the runs within WINDOW sizes of each budget's best run (llama-plan fit
+# --window); far from its minimum (e.g. 120 optimizer steps for the largest size of the smallest
+# budget) an IsoFLOP curve is not a parabola in ln N. docs/scaling.md shows the all-runs fit too.
+WINDOW = 2
 
 
 @dataclass
@@ -70,8 +74,7 @@ class Run:
     @property
     def args(self) -> List[str]:
         """The overrides, output dir last (relative to the repo when under it: rerunnable anywhere)."""
-        out = self.out.relative_to(REPO) if self.out.is_relative_to(REPO) else self.out
-        return [*self.overrides, f"trainer.output_dir={out}"]
+        return [*self.overrides, f"trainer.output_dir={_rel(self.out)}"]
 
     @property
     def log(self) -> Path:
@@ -236,12 +239,19 @@ def _plan(args: Sequence[str], bin_dir: Path) -> None:
     subprocess.run(cmd, cwd=REPO, check=True)
 
 
+def _rel(path: Path) -> Path:
+    """``path`` relative to the repo when under it (the commands run there): short, rerunnable."""
+    return path.relative_to(REPO) if path.is_relative_to(REPO) else path
+
+
 def stage_fit(out: Path, docs: Path, bin_dir: Path) -> None:
-    sweep, csv_path = out / "sweep", docs / "data" / "isoflop_runs.csv"
-    if sweep.is_dir():
+    sweep, docs = _rel(out / "sweep"), _rel(docs)
+    csv_path = docs / "data" / "isoflop_runs.csv"
+    if (REPO / sweep).is_dir():
         _plan(["fit", str(sweep), "--params", "non_embedding", "--csv", str(csv_path), "--bootstrap", "0",
                "--bootstrap-a3", "0"], bin_dir)
-    _plan(["fit", str(csv_path), "--params", "both", "--out", str(docs / "img" / "isoflop.png")], bin_dir)
+    _plan(["fit", str(csv_path), "--params", "both", "--window", str(WINDOW), "--out",
+           str(docs / "img" / "isoflop.png")], bin_dir)
     _plan(["fit", str(csv_path), "--params", "non_embedding", "--bootstrap", "0", "--bootstrap-a3", "0",
            "--save-fit", str(docs / "data" / "isoflop_fit.yaml")], bin_dir)
 
@@ -251,7 +261,7 @@ def stage_frontier(out: Path, docs: Path, jobs: int, bin_dir: Path) -> List[Dict
 
     fit = docs / "data" / "isoflop_fit.yaml"
     law = load_fit(fit)
-    common = [*STUDY, f"scaling.fit={fit.relative_to(REPO) if fit.is_relative_to(REPO) else fit}",
+    common = [*STUDY, f"scaling.fit={_rel(fit)}",
               f"scaling.flops={FRONTIER_FLOPS:g}"]
     runs = [Run(["experiment=compute_optimal", *common], out / "frontier" / "compute_optimal", "compute-optimal"),
             Run(["experiment=inference_optimal", *common, f"scaling.inference_tokens={INFERENCE_TOKENS:g}"],
