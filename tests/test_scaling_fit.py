@@ -230,3 +230,27 @@ def test_plot_isoflops_keeps_its_three_argument_form(tmp_path):
     out = plot_isoflops(runs, HALF, tmp_path / "iso.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_isoflops(runs, None, tmp_path / "no_law.png").is_file()  # Approach 2 alone
+
+
+def test_window_fits_each_parabola_near_its_best_run(tmp_path, capsys):
+    """--window K: each budget's parabola over the runs within K sizes of its best run, the same
+    in the fit and in every bootstrap resample; a wide, asymmetric sweep is where it matters."""
+    from llama_train.scaling.fit import fit_approach2, fit_isoflop_parabola
+
+    runs = synth_runs(HALF, sizes=9, span=1.2, noise=0.0)
+    members = [r for r in runs if r.budget == BUDGETS[4]]  # sizes shifted off the optimum
+    near = fit_isoflop_parabola(BUDGETS[4], members, window=1)
+    best = min(range(len(members)), key=lambda i: members[i].val_loss)
+    three = members[best - 1:best + 2]  # the synthetic sizes are in increasing order
+    x = np.log([r.n_params for r in three])
+    c2, c1, _ = np.polyfit(x, [r.val_loss for r in three], 2)
+    assert near.n_opt == pytest.approx(math.exp(-c1 / (2 * c2)), rel=1e-9)
+    # near the minimum a parabola is closer to the true optimum than over 2.4 decades
+    true_n = HALF.optimal(BUDGETS[4])[0]
+    wide = fit_isoflop_parabola(BUDGETS[4], members)
+    assert abs(math.log(near.n_opt / true_n)) < abs(math.log(wide.n_opt / true_n))
+    res = fit_approach2(runs, window=2, bootstrap=20)
+    assert res.n_opt_law.exponent == pytest.approx(0.5, abs=0.03) and res.bootstrap.n_resamples == 20
+    write_sweep_dir(tmp_path / "sweep", runs)
+    assert main(["fit", str(tmp_path / "sweep"), "--window", "0"]) == 2
+    assert "--window=0 must be >= 1" in capsys.readouterr().err
