@@ -190,6 +190,15 @@ def target_aspect_ratio(dim: int) -> float:
     return 128.0
 
 
+# The widths shape_for_params tries first: steps of 8 below 32, 16 below 128 and 32 below 256
+# (at tiny scale one layer more or less is a large step in N, so IsoFLOP sweeps of tiny models
+# need the finer widths), 64 below 512, 256 up to 2048, 512 above (n_heads a multiple of 4 from
+# dim 512, so GQA groups of 4 divide evenly). If no depth lands within tolerance there, any
+# multiple of 64 (< 1024) / 128 may be used.
+NICE_DIMS = (list(range(16, 32, 8)) + list(range(32, 128, 16)) + list(range(128, 256, 32)) + list(range(256, 512, 64))
+             + list(range(512, 2048, 256)) + list(range(2048, 32768 + 1, 512)))
+
+
 def shape_for_params(
     n_params: float,
     vocab_size: int = 32000,
@@ -219,13 +228,7 @@ def shape_for_params(
         raise ScalingError(f"vocab_size={vocab_size!r} must be a positive integer")
     make = partial(_make_shape, vocab_size=vocab_size, max_seq_len=max_seq_len, tie_embeddings=tie_embeddings)
 
-    # "Nice" widths first: n_heads a multiple of 4 from dim 512 (so GQA groups of 4 divide
-    # evenly), i.e. steps of 32 below 256 (where one layer more or less is a large step in N,
-    # IsoFLOP sweeps of tiny models need the finer widths; 16 below 128), 64 below 512, 256 up to 2048, 512
-    # above. If no depth lands within tolerance there, any multiple of 64 (<1024) / 128 may be used.
-    nice = (list(range(16, 32, 8)) + list(range(32, 128, 16)) + list(range(128, 256, 32)) + list(range(256, 512, 64))
-            + list(range(512, 2048, 256)) + list(range(2048, 32768 + 1, 512)))
-    best_fit, closest = _search_dims(nice, make, target, count, tolerance)
+    best_fit, closest = _search_dims(NICE_DIMS, make, target, count, tolerance)
     if best_fit is None:
         any_dims = list(range(64, 1024, 64)) + list(range(1024, 32768 + 1, 128))
         best_fit, closest = _search_dims(any_dims, make, target, count, tolerance)
@@ -319,6 +322,36 @@ class ExperimentPlan:
                 + (f", lr {self.lr:.3g}" if self.lr is not None else ""))
 
 
+def _tokens_for_shape(s: "ScalingConfig", plan: Dict[str, Any], n_shape: float) -> float:
+    """D for the shape actually built (its count is within scaling.tolerance of the plan's N): a
+    budget is spent exactly (C = 6 N D); an inference-optimal model trains to the target loss on
+    the iso-loss curve of the law that planned it."""
+    if s.mode != "inference_optimal":
+        return s.flops / (6 * n_shape)
+    tokens = float(load_fit(s.fit).tokens_for_loss(n_shape, plan["loss"]))
+    if not math.isfinite(tokens):
+        from llama_train.config import ConfigError
+
+        raise ConfigError(
+            f"scaling.mode=inference_optimal: the shape built for N={plan['n_params']:.4g} has "
+            f"{n_shape:.4g} params, too few to reach the target loss {plan['loss']:.4g} at any "
+            f"token count: lower scaling.tolerance (now {s.tolerance}).")
+    return tokens
+
+
+def _run_lr(s: "ScalingConfig", base_lr: float, n: float, tokens: float) -> Optional[float]:
+    """optim.lr (N / lr_ref_params)^-lr_exponent (6 N D / lr_ref_flops)^-lr_flops_exponent; None
+    without a reference (the run keeps optim.lr)."""
+    if s.lr_ref_params is None and s.lr_ref_flops is None:
+        return None
+    lr = base_lr
+    if s.lr_ref_params is not None:
+        lr *= (n / s.lr_ref_params) ** (-s.lr_exponent)
+    if s.lr_ref_flops is not None:
+        lr *= (6 * n * tokens / s.lr_ref_flops) ** (-s.lr_flops_exponent)
+    return lr
+
+
 def plan_experiment(
     s: "ScalingConfig", model: "ModelArgs", seq_len: int, tokens_per_step: int, warmup_steps: int,
     base_lr: float = 3e-4,
@@ -328,8 +361,7 @@ def plan_experiment(
     sweep), a LLaMA shape for N, and the steps that train that shape on D tokens at
     ``tokens_per_step``: D = flops / (6 N_shape), or for inference_optimal the tokens at which
     N_shape reaches the target loss, so that rounding N to a shape neither over- nor under-spends
-    the budget nor misses the target. Warmup is
-    capped at a tenth of them. With ``s.lr_ref_params`` / ``s.lr_ref_flops`` set, the learning
+    the budget nor misses the target. Warmup is capped at a tenth of them. With ``s.lr_ref_params`` / ``s.lr_ref_flops`` set, the learning
     rate follows the run: ``base_lr`` is the rate at that size / training compute, scaled by
     (N / lr_ref_params)^-lr_exponent (6 N D / lr_ref_flops)^-lr_flops_exponent (the tuned rate
     falls with the budget; docs/scaling.md measures it). Nothing is mutated.
@@ -353,7 +385,7 @@ def plan_experiment(
         if not s.params or s.params <= 0:
             raise ConfigError("scaling.mode=fixed needs scaling.params > 0.")
         plan = {"n_params": s.params, "n_tokens": s.flops / (6 * s.params)}
-    try:  # the default 5%: below ~1M parameters the shape grid (dim 64, whole layers) is coarse
+    try:  # below ~1M parameters the shape grid (whole layers) is coarse: scaling.tolerance
         shape = shape_for_params(plan["n_params"], vocab_size=vocab,
                                  max_seq_len=max(seq_len, model.max_seq_len), count=s.count,
                                  tie_embeddings=model.tie_embeddings, tolerance=s.tolerance)
@@ -365,27 +397,10 @@ def plan_experiment(
             f"model.vocab_size, or a larger scaling.flops.") from None
     from llama_train.model import count_params
 
-    # D for the shape actually built (its count is within scaling.tolerance of the plan's N):
-    # a budget is spent exactly (C = 6 N D); an inference-optimal model trains to the target
-    # loss on the iso-loss curve of the law that planned it.
     n_shape = float(count_params(shape)[s.count])
-    if s.mode == "inference_optimal":
-        tokens = float(load_fit(s.fit).tokens_for_loss(n_shape, plan["loss"]))
-        if not math.isfinite(tokens):
-            raise ConfigError(
-                f"scaling.mode=inference_optimal: the shape built for N={plan['n_params']:.4g} has "
-                f"{n_shape:.4g} params, too few to reach the target loss {plan['loss']:.4g} at any "
-                f"token count: lower scaling.tolerance (now {s.tolerance}).")
-    else:
-        tokens = s.flops / (6 * n_shape)
+    tokens = _tokens_for_shape(s, plan, n_shape)
     max_steps = max(1, math.ceil(tokens / tokens_per_step))
-    lr = None  # optim.lr (N / lr_ref_params)^-lr_exponent (6 N D / lr_ref_flops)^-lr_flops_exponent
-    if s.lr_ref_params is not None or s.lr_ref_flops is not None:
-        lr = base_lr
-        if s.lr_ref_params is not None:
-            lr *= (n_shape / s.lr_ref_params) ** (-s.lr_exponent)
-        if s.lr_ref_flops is not None:
-            lr *= (6 * n_shape * tokens / s.lr_ref_flops) ** (-s.lr_flops_exponent)
+    lr = _run_lr(s, base_lr, n_shape, tokens)
     return ExperimentPlan(mode=s.mode, flops=float(s.flops), n_params=float(plan["n_params"]),
                           n_tokens=tokens, model=shape, max_steps=max_steps,
                           warmup_steps=min(warmup_steps, max(1, max_steps // 10)), fit=fit,

@@ -70,6 +70,7 @@ class Run:
     overrides: List[str]
     out: Path
     tag: str
+    cost: float = 0.0  # rough wall time, to start the dearest runs first
 
     @property
     def args(self) -> List[str]:
@@ -86,16 +87,16 @@ class Run:
 
 
 def ladder(vocab: int = VOCAB, max_n: float = 3e6, tolerance: float = TOLERANCE) -> List[int]:
-    """Non-embedding counts of one family of tiny LLaMA shapes: widths 32-256 at dim/n_layers
+    """Non-embedding counts of one family of tiny LLaMA shapes: widths 16-256 at dim/n_layers
     within 1.6x of :func:`target_aspect_ratio`, each kept only if it is the shape the planner
     itself builds for its own count at the study's ``scaling.tolerance``. Sweeping these exact
     counts keeps one depth-to-width rule across the sweep (a free choice of shape per size would
     put a 1-layer model beside a 5-layer one and break the curve) and N = the target exactly."""
     from llama_train.model import count_params
-    from llama_train.scaling.planners import _make_shape, shape_for_params, target_aspect_ratio
+    from llama_train.scaling.planners import NICE_DIMS, _make_shape, shape_for_params, target_aspect_ratio
 
     out = set()
-    for dim in [16, 24] + list(range(32, 128, 16)) + list(range(128, 257, 32)):
+    for dim in (d for d in NICE_DIMS if d <= 256):
         for layers in range(1, 12):
             if abs(math.log(dim / layers / target_aspect_ratio(dim))) <= math.log(1.6):
                 m = _make_shape(dim, layers, vocab_size=vocab, max_seq_len=256, tie_embeddings=False)
@@ -147,17 +148,15 @@ def run_all(runs: Sequence[Run], jobs: int, bin_dir: Path) -> List[Optional[dict
         print(f"  {r.tag}: {said} in {time.time() - t0:.0f} s", flush=True)
         return got
 
-    order = sorted(range(len(runs)), key=lambda i: -_cost(runs[i]))
+    order = sorted(range(len(runs)), key=lambda i: -runs[i].cost)
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         done = dict(zip(order, pool.map(one, [runs[i] for i in order])))
     return [done[i] for i in range(len(runs))]
 
 
-def _cost(r: Run) -> float:
-    """Rough wall time: the budget, plus the per-token overhead that makes small models dear."""
-    kv = dict(o.split("=", 1) for o in r.overrides if "=" in o)
-    c, n = float(kv.get("scaling.flops", 0)), float(kv.get("scaling.params", 1e5))
-    return c / 3e10 + c / (6 * n) / 1e5
+def _cost(flops: float, n: float) -> float:
+    """Rough wall time of a run: the budget, plus the per-token overhead that makes small models dear."""
+    return flops / 3e10 + flops / (6 * n) / 1e5
 
 
 def train_tokens() -> int:
@@ -194,7 +193,8 @@ def stage_lr(out: Path, docs: Path, jobs: int, bin_dir: Path) -> Dict[str, float
     specs = [(n, c, lr) for n, c, lrs in LR_POINTS for lr in lrs]
     runs = [Run(["experiment=isoflop", *STUDY, f"scaling.flops={c:g}", f"scaling.params={n}",
                  "scaling.lr_ref_flops=null", "scaling.lr_flops_exponent=0", f"optim.lr={lr:g}"],
-                out / "lr" / f"C{c:g}-N{n}-lr{lr:g}", f"lr N={n} C={c:g} lr={lr:g}") for n, c, lr in specs]
+                out / "lr" / f"C{c:g}-N{n}-lr{lr:g}", f"lr N={n} C={c:g} lr={lr:g}", _cost(c, n))
+            for n, c, lr in specs]
     rows = [(n, c, lr, info["final_val_loss"], info["tokens"], r.command)
             for (n, c, lr), r, info in zip(specs, runs, run_all(runs, jobs, bin_dir)) if info]
     best = {}
@@ -228,7 +228,7 @@ def stage_sweep(out: Path, jobs: int, bin_dir: Path) -> List[Run]:
         ns = sizes_for(c, tokens, lad)
         print(f"  C={c:g}: {len(ns)} sizes {ns}")
         runs += [Run(["experiment=isoflop", *STUDY, f"scaling.flops={c:g}", f"scaling.params={n}"],
-                     out / "sweep" / f"C{c:g}-N{n}", f"C={c:g} N={n}") for n in ns]
+                     out / "sweep" / f"C{c:g}-N{n}", f"C={c:g} N={n}", _cost(c, n)) for n in ns]
     run_all(runs, jobs, bin_dir)
     return runs
 
