@@ -10,6 +10,7 @@ lost.
 from __future__ import annotations
 
 import errno
+import faulthandler
 import logging
 import os
 import signal
@@ -503,12 +504,25 @@ def _fail(code: int, e: BaseException) -> None:
     raise SystemExit(code) from None
 
 
+def _dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>`` prints every thread's Python stack to the process's stderr (the
+    rank's log under the launcher) and the process goes on: a job that hangs with its heartbeats
+    alive (a loop stuck in a collective or a data wait) can be read without py-spy. DataLoader
+    workers, forked from the rank, inherit it. Skipped where stderr is no file (an embedding
+    program that captured it)."""
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # no SIGUSR1 (Windows); no fileno()
+        pass
+
+
 def main(hooks: Sequence[Hook] = ()) -> None:
     """``llama-train``: Hydra overrides from argv; ``hooks`` for programs that embed the trainer
     (``llama-bench train``)."""
     from llama_train.config import explain_composition_error
 
     sys.argv = [sys.argv[0]] + _strip_launcher_args(sys.argv[1:])
+    _dump_stacks_on_sigusr1()
     # Hydra re-raises instead of printing its own trace and exiting 1: a command line it cannot
     # compose is bad input (exit 2, with a message) like every other.
     os.environ["HYDRA_FULL_ERROR"] = "1"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -53,12 +55,42 @@ def spawn(cmd: List[str], log: Path, env: Optional[Dict[str, str]] = None):
         fh.close()
 
 
+def dump_stacks(proc: subprocess.Popen, wait_s: float = 3.0, gap_s: float = 0.5) -> int:
+    """Ask every llama-train process of ``proc``'s session (its ranks and their DataLoader
+    workers) to print its threads' stacks into the log: SIGUSR1, for which llama_train.train
+    registers faulthandler. Other processes (the launcher) are left alone: SIGUSR1 would kill
+    them. Returns how many were asked."""
+    asked = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        # fields[3]: the session. `python -m llama_train.train`: the launcher's own command
+        # lines name the module too, as an argument
+        ours = b"-m" in cmdline and cmdline[cmdline.index(b"-m") + 1:][:1] == [b"llama_train.train"]
+        if int(fields[3]) == proc.pid and ours:
+            try:
+                os.kill(int(stat.parent.name), signal.SIGUSR1)
+                asked += 1
+            except ProcessLookupError:
+                continue
+            time.sleep(gap_s)  # one at a time: they all write to the same log
+    if asked:
+        time.sleep(wait_s)
+    return asked
+
+
 def run(cmd: List[str], log: Path, timeout: float = 300, env=None, check: bool = True) -> int:
     with spawn(cmd, log, env) as proc:
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{tail(log)}")
+            # a hang is read from the stacks of every process, not from the log's last line
+            asked = dump_stacks(proc)
+            raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n"
+                                 f"{tail(log, 400 if asked else 60)}")
     if check and rc != 0:
         raise AssertionError(f"exit {rc}: {' '.join(cmd)}\n{tail(log)}")
     return rc
@@ -77,6 +109,24 @@ def tail(path: Path, n: int = 60) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
     except FileNotFoundError:
         return "(no log)"
+
+
+def copy_at_step(src: Path, dst: Path, step: int) -> Path:
+    """``dst``: run ``src`` as a run stopped right after its checkpoint of ``step`` would have
+    left it (later checkpoints, metrics lines and the end-of-run sample removed), to resume from
+    without training the first steps again."""
+    shutil.copytree(src, dst)
+    ckpts = dst / "checkpoints"
+    for d in ckpts.glob("step_*"):
+        if int(d.name.split("_")[1]) > step:
+            shutil.rmtree(d)
+    (ckpts / "latest").write_text(f"step_{step:08d}\n")
+    kept = [line for line in (dst / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line).get("step", 0) <= step]
+    (dst / "metrics.jsonl").write_text("".join(f"{line}\n" for line in kept))
+    for name in ("sample.txt", "run_info.json"):
+        (dst / name).unlink(missing_ok=True)
+    return dst
 
 
 def metrics(out: Path) -> List[dict]:

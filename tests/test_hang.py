@@ -30,7 +30,7 @@ from typing import Optional
 import psutil
 import pytest
 
-from helpers import BIN, TINY, free_port, spawn, tail, train, wait_for
+from helpers import BIN, TINY, dump_stacks, free_port, launcher_cmd, spawn, tail, train, wait_for
 
 TIMEOUT_S = 10
 BUDGET_S = TIMEOUT_S + 30
@@ -197,3 +197,22 @@ def test_a_hung_or_killed_rank_stops_the_job(tmp_path):
                 text.splitlines()[-25:]))
     print("\n" + "\n".join(rows))
     assert not problems, "\n\n".join(problems)
+
+
+@pytest.mark.slow
+def test_sigusr1_prints_every_ranks_stacks_and_the_job_goes_on(tmp_path):
+    """What a hang that keeps its heartbeats looks like from outside (a loop stuck in a
+    collective or a data wait: the case the watchdog leaves to the collective timeout): SIGUSR1
+    to each rank, as tests/helpers.run sends on a timeout, prints its threads' stacks into the
+    log; the launcher is not signalled and the job finishes."""
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", "trainer.max_steps=12"])
+    with spawn(cmd, log) as proc:
+        assert wait_for(lambda: _last_step(out) >= 2 or proc.poll() is not None, 300, 0.05), \
+            tail(log)
+        assert dump_stacks(proc, wait_s=0) >= 2  # both ranks (and their data workers)
+        assert proc.wait(timeout=300) == 0, tail(log)
+    text = log.read_text(errors="replace")
+    dumps = text.count("(most recent call first)")
+    assert text.count("Current thread 0x") >= 2 and dumps >= 4, tail(log, 200)
+    assert "trainer.py" in text and "watchdog.py" in text, tail(log, 200)  # the loop, the heartbeat
