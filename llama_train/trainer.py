@@ -464,8 +464,7 @@ class Trainer:
         watchdog.note(step=read_state(ckpt)["step"])  # a rank lost while loading is named at it
         saved, rank_state = self.ckpts.load(self.engine, ckpt, universal)
         self.state.load_state_dict(saved)
-        self.loader.load_state_dict(saved["data"])
-        self.data_iter = iter(self.loader)
+        self.loader.load_state_dict(saved["data"])  # the caller starts the next iterator
         self.source_epochs = self.loader.mixture_epochs()
         if rank_state and not universal:
             set_rng_state(rank_state["rng"])
@@ -475,6 +474,7 @@ class Trainer:
         """Recovery's way back: verify the checkpoint again, restore it, and cut the metrics
         back to it (events stay on record)."""
         saved = self._restore(self.ckpts.resolve_resume(str(ckpt)))
+        self.data_iter = iter(self.loader)
         self.tracker.rewind(saved["tracker"].get("metrics_lines"), self.state.step)
 
     # -- the end -------------------------------------------------------------------------------
