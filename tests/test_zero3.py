@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, assert_losses_close, TINY, losses, metrics, run, tail, train
+from helpers import REPO, assert_losses_close, TINY, copy_at_step, losses, metrics, run, tail, train
 
 pytestmark = pytest.mark.slow
 
@@ -55,11 +55,9 @@ def reference(runs):
 
 
 @pytest.fixture(scope="module")
-def half(runs):
-    """The same run stopped after 4 steps (checkpoint step 4), kept untouched for copies."""
-    out = runs / "half"
-    train(out, [*Z3, HALF])
-    return out
+def half(reference, runs):
+    """The same run as it stood after 4 steps (checkpoint step 4), kept untouched for copies."""
+    return copy_at_step(reference, runs / "half", 4)
 
 
 def test_resume_is_bit_identical_and_sample_agrees(reference, half, runs):
@@ -135,8 +133,7 @@ def test_offload_trains_resumes_exactly_and_exports(reference, runs, tmp_path):
     full = runs / "offload"
     train(full, [*Z3, *OFFLOAD], timeout=600)
     _close(losses(full), losses(reference))
-    part = runs / "offload_resumed"
-    train(part, [*Z3, *OFFLOAD, HALF])
+    part = copy_at_step(full, runs / "offload_resumed", 4)
     train(part, [*Z3, *OFFLOAD], log_name="resume.log")
     assert losses(part) == losses(full)
     hf_dir = tmp_path / "hf"
