@@ -9,6 +9,9 @@ Injection (tests and fire drills; nothing here is active unless asked for) is on
     loss_scale:batch=9,factor=1000          multiply the loss of global batch 9 (a loss spike)
     exit:step=5[,rank=0][,code=17]          that rank dies without warning (os._exit) as step 5
                                             begins
+    hang:step=5[,rank=0][,seconds=S]        that rank's loop stops as step 5 begins (sleeps S
+                                            seconds, default for ever) while its threads, the
+                                            watchdog's heartbeat among them, run on
     save_error:step=4,rank=1,errno=ENOSPC   the save of step 4 fails on rank 1 part-way: its
                                             1st file write (write=K: the K-th) stops half
                                             written with OSError(ENOSPC)
@@ -38,7 +41,7 @@ from llama_train.checkpoint import SaveFaults
 from llama_train.hooks import Hook
 
 ENV = "LLAMA_TRAIN_FAULTS"
-KINDS = ("nan", "loss_scale", "exit", "save_error")
+KINDS = ("nan", "loss_scale", "exit", "hang", "save_error")
 
 
 class FaultSpecError(ValueError):
@@ -62,10 +65,18 @@ class ExitFault:
 
 
 @dataclass
+class HangFault:
+    step: int
+    rank: int = 0
+    seconds: float = float("inf")
+
+
+@dataclass
 class FaultPlan:
     nan_batches: Set[int] = field(default_factory=set)
     loss_scale: Dict[int, float] = field(default_factory=dict)
     exits: List[ExitFault] = field(default_factory=list)
+    hangs: List[HangFault] = field(default_factory=list)
     save_errors: List[SaveFault] = field(default_factory=list)
 
     @classmethod
@@ -95,6 +106,9 @@ class FaultPlan:
         elif kind == "exit":
             self.exits.append(ExitFault(int(kv["step"]), int(kv.get("rank", 0)),
                                         int(kv.get("code", 17))))
+        elif kind == "hang":
+            self.hangs.append(HangFault(int(kv["step"]), int(kv.get("rank", 0)),
+                                        float(kv.get("seconds", "inf"))))
         elif kind == "save_error":
             code = kv.get("errno", "ENOSPC")
             if not hasattr(errno_mod, code):
@@ -132,6 +146,9 @@ class FaultInjector(Hook, SaveFaults):
         for f in self.plan.exits:
             if f.step == step and f.rank == self.rank:
                 os._exit(f.code)  # a rank dies without warning
+        for h in self.plan.hangs:
+            if h.step == step and h.rank == self.rank:
+                _stall(h.seconds)  # a loop stuck where the watchdog still hears its heartbeat
 
     def on_loss(self, batch: int, loss):
         if batch in self.plan.nan_batches:
@@ -177,6 +194,13 @@ class FaultInjector(Hook, SaveFaults):
             yield
         finally:
             torch.save = real_save
+
+
+def _stall(seconds: float) -> None:
+    """Block this thread only (the GIL is free: other threads run), through signals."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(min(1.0, end - time.monotonic()))
 
 
 # ------------------------------------------------------------------------------------------------

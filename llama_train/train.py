@@ -473,6 +473,7 @@ def _exit_lost_rank(comm: BaseException, timeout_s: float, step: Optional[int]) 
 
     import torch.distributed as dist
 
+    from llama_train import watchdog
     from llama_train.faults import diagnose_lost_ranks
 
     # The launcher is tearing the job down: a DataLoader worker it terminates must not
@@ -490,6 +491,9 @@ def _exit_lost_rank(comm: BaseException, timeout_s: float, step: Optional[int]) 
            f"checkpoint.")
     log.error(msg)
     print(f"llama-train: error: {msg}", file=sys.stderr)
+    # a rank that did not check in may be alive with its loop stuck (its heartbeat runs, so its
+    # watchdog saw nothing wrong): it prints its stacks and exits when it reads this
+    watchdog.abort_job(msg)
     logging.shutdown()
     # The rank that caused this (killed, or out with its own code: 3 for an unwritable
     # output_dir) is gone already: let the launcher, which polls its ranks once a second in no

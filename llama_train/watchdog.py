@@ -28,6 +28,10 @@ PID namespace, and the same process start time as it published), this rank leave
 3-line reaper that SIGKILLs it a few seconds later, after the launcher has recorded this rank's
 exit code 5. Ranks on other hosts are left to their own launcher.
 
+A rank whose loop is stuck while its threads run keeps beating: the collective timeout fails the
+others, which name it and post the ``abort`` key (:func:`abort_job`). Every rank that stops
+through the watchdog prints its threads' stacks first, so a stuck loop shows where it is.
+
 Never a false alarm from this process's own pauses: if the judging thread itself did not run
 for a while (the whole process stopped, or starved), it gives every peer a fresh ``comm.timeout_s``
 instead of blaming them. The threads stop by themselves when the process group it was started for is
@@ -120,6 +124,17 @@ def start(timeout_s: float, rank: int, world_size: int) -> Optional["Watchdog"]:
         return _current
 
 
+def abort_job(msg: str) -> None:
+    """Tell every other rank to stop, with ``msg`` (the ``abort`` key its watchdog reads about
+    once a second): for a rank that leaves because a collective failed, so a peer whose loop is
+    stuck while its heartbeat runs (which the collective timeout cannot reach) shows where it
+    was and exits too, instead of waiting for the launcher's SIGKILL. Best effort, 1 s at most."""
+    dog = _current
+    if dog is not None and dog.is_alive():
+        dog._posted_abort = True  # its own rank leaves by its own way (exit code, timing)
+        dog._post_abort(msg)
+
+
 def stop() -> None:
     """Stop the running watchdog (if any), telling the rank that watches this one."""
     with _lock:
@@ -158,6 +173,7 @@ class Watchdog(threading.Thread):
         self._peer_exited = False
         self._rank0_pos: Tuple[Optional[int], str] = (None, "unknown")
         self._abort: Optional[str] = None
+        self._posted_abort = False  # this rank posted the abort: it is not told by it
         self._io = threading.Thread(target=self._io_loop, name="llama_train-watchdog-io",
                                     daemon=True)
 
@@ -175,9 +191,9 @@ class Watchdog(threading.Thread):
                 # this process did not run for a while: peers get a fresh window, no blame
                 self._store_ok = self._peer_at = now
             last = now
-            if self._abort is not None:
+            if self._abort is not None and not self._posted_abort:
                 _exit(f"rank {self.rank} stops (at {describe(*position())}) because another "
-                      f"rank did: {self._abort}")
+                      f"rank did: {self._abort}", self.rank)
             silent = now - self._store_ok
             if self.rank != 0 and silent > self.timeout_s:
                 err = self._err
@@ -214,12 +230,17 @@ class Watchdog(threading.Thread):
         msg = (f"rank {self.rank} stops the job: {why} (comm.timeout_s={self.timeout_s:g}); "
                f"rank {lost} last reported {describe(step, phase)}, rank {self.rank} is at "
                f"{describe(*position())}. Rank {lost} is hung or gone.")
-        if store_ok:  # every other rank reads it and exits at once (best effort, 1 s at most)
-            t = threading.Thread(target=self._publish_abort, args=(msg,), daemon=True)
-            t.start()
-            t.join(timeout=1.0)
+        if store_ok:  # every other rank reads it and exits at once
+            self._post_abort(msg)
         self._reap_if_local(lost)
-        _exit(msg)
+        _exit(msg, self.rank)
+
+    def _post_abort(self, msg: str) -> None:
+        """Publish ``msg`` as the job's ``abort`` key (best effort, 1 s at most: from a thread,
+        since a store call to a stopped rank 0 can block far longer)."""
+        t = threading.Thread(target=self._publish_abort, args=(msg,), daemon=True)
+        t.start()
+        t.join(timeout=1.0)
 
     def _publish_abort(self, msg: str) -> None:
         try:
@@ -320,14 +341,29 @@ class Watchdog(threading.Thread):
             pass
 
 
-def _exit(msg: str) -> None:
+def _exit(msg: str, rank: int) -> None:
     log.error(msg)
     print(f"llama-train: error: {msg} Exiting with code {EXIT_LOST_RANK}; relaunch the job: it "
           f"resumes from the last complete checkpoint.", file=sys.stderr)
+    dump_threads(f"rank {rank}'s threads as it stops (its loop is thread "
+                 f"0x{threading.main_thread().ident:016x})")
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_LOST_RANK)
+
+
+def dump_threads(title: str) -> None:
+    """Every thread's Python stack to stderr (faulthandler: it needs neither the GIL nor a
+    working loop), after one line naming the process: where a job that stops was."""
+    import faulthandler
+
+    try:
+        sys.stderr.flush()
+        print(f"--- {title}, pid {os.getpid()}:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # stderr is no file
+        pass
 
 
 def _identity(pid: int) -> dict:

@@ -30,7 +30,8 @@ from typing import Optional
 import psutil
 import pytest
 
-from helpers import BIN, TINY, dump_stacks, free_port, launcher_cmd, spawn, tail, train, wait_for
+from helpers import (BIN, TINY, dump_stacks, free_port, launcher_cmd, spawn, tail, train,
+                     wait_for)
 
 TIMEOUT_S = 10
 BUDGET_S = TIMEOUT_S + 30
@@ -200,19 +201,40 @@ def test_a_hung_or_killed_rank_stops_the_job(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigusr1_prints_every_ranks_stacks_and_the_job_goes_on(tmp_path):
-    """What a hang that keeps its heartbeats looks like from outside (a loop stuck in a
-    collective or a data wait: the case the watchdog leaves to the collective timeout): SIGUSR1
-    to each rank, as tests/helpers.run sends on a timeout, prints its threads' stacks into the
-    log; the launcher is not signalled and the job finishes."""
+def test_a_stuck_loop_with_a_live_heartbeat_is_named_and_shows_where(tmp_path):
+    """A rank whose loop stops while its threads run on (``LLAMA_TRAIN_FAULTS=hang``: rank 1
+    sleeps as step 4 begins) keeps its heartbeat, so its watchdog peers see nothing: the
+    collective timeout (``comm.timeout_s`` + 5) fails rank 0, which names rank 1 (it did not
+    check in) and posts the job's abort; rank 1 reads it, prints its threads (the loop inside
+    the fault's sleep) and exits 5: 19.6 s from step 3 to the launcher's exit on the dev VM.
+    Without the abort rank 1 ran on until its watchdog found rank 0's store gone, comm.timeout_s
+    later (38.3 s, and its line blamed rank 0); at the default comm.timeout_s=600 the launcher's
+    SIGKILL, 30 s after its SIGTERM, comes first and rank 1 prints nothing.
+
+    While it is stuck, SIGUSR1 to each rank and data worker (what tests/helpers.run sends a job
+    that outlives its limit) prints their stacks and nothing else changes."""
     out, log = tmp_path / "run", tmp_path / "run.log"
-    cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", "trainer.max_steps=12"])
-    with spawn(cmd, log) as proc:
-        assert wait_for(lambda: _last_step(out) >= 2 or proc.poll() is not None, 300, 0.05), \
+    cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", "deepspeed.zero_stage=2",
+                        f"comm.timeout_s={TIMEOUT_S}", "trainer.max_steps=100000"])
+    with spawn(cmd, log, {"LLAMA_TRAIN_FAULTS": "hang:step=4,rank=1"}) as proc:
+        assert wait_for(lambda: _last_step(out) >= 3 or proc.poll() is not None, 300, 0.05), \
             tail(log)
-        assert dump_stacks(proc, wait_s=0) >= 2  # both ranks (and their data workers)
-        assert proc.wait(timeout=300) == 0, tail(log)
+        t0 = time.monotonic()
+        time.sleep(1.0)  # rank 1 is in the fault's sleep
+        asked = dump_stacks(proc, wait_s=0)
+        try:
+            rc = proc.wait(timeout=BUDGET_S + 60)
+        except Exception:  # noqa: BLE001 - still running: spawn kills it
+            rc = None
+        seconds = time.monotonic() - t0
     text = log.read_text(errors="replace")
-    dumps = text.count("(most recent call first)")
-    assert text.count("Current thread 0x") >= 2 and dumps >= 4, tail(log, 200)
-    assert "trainer.py" in text and "watchdog.py" in text, tail(log, 200)  # the loop, the heartbeat
+    print(f"\nhang:step=4,rank=1: exit {rc} {seconds:.1f} s after step 3 was logged")
+    assert rc == 5, (rc, tail(log, 200))
+    assert re.search(r"lost contact with the job at step \d+: rank\(s\) 1 did not check in",
+                     text), tail(log, 200)
+    assert "rank 1 stops (at step" in text and "because another rank did" in text, tail(log, 200)
+    assert asked >= 2 and text.count("Current thread 0x") >= asked + 1, (asked, tail(log, 300))
+    dump = text[text.index("--- rank 1's threads as it stops"):]
+    assert "in _stall" in dump and "in on_step_begin" in dump and "in fit" in dump, dump
+    # the collective timeout (15 s), 3 s of diagnosis, rank 1's next read of the store (1 s)
+    assert seconds < TIMEOUT_S + 20, (seconds, tail(log, 200))

@@ -542,7 +542,10 @@ def test_fault_spec_errors():
     assert plan.save_errors[0].errno == 30 and plan.save_errors[0].rank == 1
     assert plan.nan_batches == {3, 6}
     assert (plan.exits[0].step, plan.exits[0].rank, plan.exits[0].code) == (5, 1, 17)
+    hangs = FaultPlan.parse("hang:step=4,rank=1;hang:step=2,seconds=0.5").hangs
+    assert [(h.step, h.rank, h.seconds) for h in hangs] == [(4, 1, float("inf")), (2, 0, 0.5)]
     for bad, needle in [("loss_scale:factor=2", "batch"), ("explode:step=1", "unknown fault"),
+                        ("hang:rank=1", "step"), ("hang:step=3,seconds=soon", "hang:step=3"),
                         ("save_error:step=1,errno=EWHAT", "EWHAT"), ("save_error:step", "kind:"),
                         ("nan:batch=x", "nan:batch=x"), ("exit:rank=1", "step")]:
         with pytest.raises(FaultSpecError, match=needle):
@@ -559,3 +562,11 @@ def test_fault_injector_hook():
     assert hook.on_loss(5, one) is one
     hook.on_step_begin(5)  # exit faults for other steps/ranks do nothing
     FaultInjector(FaultPlan.parse("exit:step=2,rank=1"), rank=0).on_step_begin(2)
+    # a hang stops the loop for its seconds, on its rank and step only
+    hang = FaultInjector(FaultPlan.parse("hang:step=2,rank=0,seconds=0.3"), rank=0)
+    t0 = time.monotonic()
+    hang.on_step_begin(1)
+    FaultInjector(FaultPlan.parse("hang:step=2,rank=1"), rank=0).on_step_begin(2)
+    assert time.monotonic() - t0 < 0.2
+    hang.on_step_begin(2)
+    assert time.monotonic() - t0 >= 0.3
