@@ -56,27 +56,27 @@ def spawn(cmd: List[str], log: Path, env: Optional[Dict[str, str]] = None):
 
 
 def dump_stacks(proc: subprocess.Popen, wait_s: float = 3.0, gap_s: float = 0.5) -> int:
-    """Ask every llama-train process of ``proc``'s session (its ranks and their DataLoader
-    workers) to print its threads' stacks into the log: SIGUSR1, for which llama_train.train
-    registers faulthandler. Other processes (the launcher) are left alone: SIGUSR1 would kill
-    them. Returns how many were asked."""
+    """Ask every llama-train process of ``proc`` (itself or the ranks it launched, and their
+    DataLoader workers) to print its threads' stacks into the log: SIGUSR1, for which
+    llama_train.train registers faulthandler. The launcher's own processes (their command lines name the module only as an
+    argument) are left alone: SIGUSR1 would kill them. Returns how many were asked."""
+    import psutil
+
     asked = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    try:
+        top = psutil.Process(proc.pid)
+        family = [top, *top.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    for child in family:
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError):
-            continue
-        # fields[3]: the session. `python -m llama_train.train`: the launcher's own command
-        # lines name the module too, as an argument
-        ours = b"-m" in cmdline and cmdline[cmdline.index(b"-m") + 1:][:1] == [b"llama_train.train"]
-        if int(fields[3]) == proc.pid and ours:
-            try:
-                os.kill(int(stat.parent.name), signal.SIGUSR1)
+            cmd = child.cmdline()
+            if "-m" in cmd and cmd[cmd.index("-m") + 1:][:1] == ["llama_train.train"]:
+                child.send_signal(signal.SIGUSR1)
                 asked += 1
-            except ProcessLookupError:
-                continue
-            time.sleep(gap_s)  # one at a time: they all write to the same log
+                time.sleep(gap_s)  # one at a time: they all write to the same log
+        except psutil.Error:
+            continue
     if asked:
         time.sleep(wait_s)
     return asked

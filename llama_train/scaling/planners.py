@@ -361,8 +361,8 @@ def plan_experiment(
     sweep), a LLaMA shape for N, and the steps that train that shape on D tokens at
     ``tokens_per_step``: D = flops / (6 N_shape), or for inference_optimal the tokens at which
     N_shape reaches the target loss, so that rounding N to a shape neither over- nor under-spends
-    the budget nor misses the target. Warmup is capped at a tenth of them. With ``s.lr_ref_params`` / ``s.lr_ref_flops`` set, the learning
-    rate follows the run: ``base_lr`` is the rate at that size / training compute, scaled by
+    the budget nor misses the target. Warmup is capped at a tenth of them. With
+    ``s.lr_ref_params`` / ``s.lr_ref_flops`` set, the learning rate follows the run: ``base_lr`` is the rate at that size / training compute, scaled by
     (N / lr_ref_params)^-lr_exponent (6 N D / lr_ref_flops)^-lr_flops_exponent (the tuned rate
     falls with the budget; docs/scaling.md measures it). Nothing is mutated.
     Raises ConfigError naming the missing ``scaling.*`` key.
