@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shlex
 import signal
 import subprocess
@@ -39,6 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # works from a checkout without an install too
 
 from llama_train.proc import free_port, kill_session  # noqa: E402
+from llama_train.records import (METRICS_FILE, StepRecord, events, iter_records,  # noqa: E402
+                                 read_metrics, step_records)
 
 
 def _env() -> Dict[str, str]:
@@ -85,19 +86,13 @@ class Job:
 
 def logged_losses(out: Path) -> Dict[int, object]:
     """{step: loss} from metrics.jsonl (training lines only, a line cut by the kill ignored)."""
-    path = out / "metrics.jsonl"
+    path = out / METRICS_FILE
     rows: Dict[int, object] = {}
-    if not path.exists():
-        return rows
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "loss" in r and "event" not in r:
-            if r["step"] in rows:
-                rows[-r["step"]] = "DUPLICATE"  # reported as a difference
-            rows[r["step"]] = r["loss"]
+    for r in (iter_records(path) if path.exists() else ()):
+        if isinstance(r, StepRecord) and "loss" in r:
+            if r.step in rows:
+                rows[-r.step] = "DUPLICATE"  # reported as a difference
+            rows[r.step] = r["loss"]
     return rows
 
 
@@ -114,22 +109,16 @@ def _tmp_saves(out: Path) -> set:
 
 
 def _last_step_time(out: Path) -> float:
-    path = out / "metrics.jsonl"
-    for line in reversed(path.read_text().splitlines() if path.exists() else []):
-        m = re.search(r'"step_time_s": ([0-9.e-]+)', line)
-        if m:
-            return float(m.group(1))
-    return 0.1
+    path = out / METRICS_FILE
+    records = read_metrics(path) if path.exists() else []
+    times = [r.number("step_time_s") for r in step_records(records, "step_time_s")]
+    return times[-1] if times else 0.1
 
 
 def _save_seconds(out: Path) -> float:
-    secs = []
-    path = out / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            m = re.search(r'"event": "checkpoint".*"seconds": ([0-9.]+)', line)
-            if m:
-                secs.append(float(m.group(1)))
+    path = out / METRICS_FILE
+    secs = [r.number("seconds") for r in events(read_metrics(path) if path.exists() else [],
+                                                "checkpoint") if r.number("seconds") is not None]
     return sorted(secs)[len(secs) // 2] if secs else 0.2
 
 

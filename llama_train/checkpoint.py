@@ -33,12 +33,14 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from llama_train.engine import consolidate_fp32, convert_to_universal
+from llama_train.config import ConfigError
+from llama_train.engine.ds_checkpoint import consolidate_fp32, convert_to_universal
+from llama_train.hooks import Hook
 from llama_train.util import fsync_dir, fsync_tree
 
 log = logging.getLogger("llama_train")
@@ -50,17 +52,7 @@ UNIVERSAL_TAG = "universal"
 
 
 class CheckpointError(RuntimeError):
-    pass
-
-
-class SaveFaults:
-    """Where a save can be made to fail on purpose (see llama_train.faults); here: never."""
-
-    def check_mkdir(self, step: int, path: Path) -> None:
-        return None
-
-    def failing_writes(self, step: int):
-        return contextlib.nullcontext()
+    """A checkpoint could not be saved, found or loaded (exit 3)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,10 +209,10 @@ class CheckpointManager:
     """Saves and finds checkpoints; every rank calls ``save`` (DeepSpeed writes shards per rank)."""
 
     def __init__(self, output_dir: str, keep_last: int, checksums: bool, rank: int,
-                 world_size: int, faults: Optional["SaveFaults"] = None):
+                 world_size: int, hooks: Sequence[Hook] = ()):
         self.output_dir = output_dir
         self.root = Path(output_dir) / "checkpoints"
-        self.faults = faults if faults is not None else SaveFaults()
+        self.hooks = list(hooks)  # on_checkpoint_dir / checkpoint_writes (fault injection)
         self.keep_last = keep_last
         self.checksums = checksums
         self.rank = rank
@@ -233,7 +225,6 @@ class CheckpointManager:
         and the earlier checkpoints are left untouched."""
         import torch.distributed as dist
 
-        faults = self.faults
         name = f"step_{step:08d}"
         final, tmp = self.root / name, self.root / f".tmp-{name}"
         error: Optional[str] = None
@@ -242,14 +233,17 @@ class CheckpointManager:
                 self.root.mkdir(parents=True, exist_ok=True)
                 if tmp.exists():
                     shutil.rmtree(tmp)
-                faults.check_mkdir(step, tmp)
+                for h in self.hooks:
+                    h.on_checkpoint_dir(step, tmp)
                 tmp.mkdir()
         except OSError as e:
             error = f"rank 0 could not create {tmp}: {e}"
         error = _agree(error)
         if error is None:
             try:
-                with faults.failing_writes(step):
+                with contextlib.ExitStack() as writes:
+                    for h in self.hooks:
+                        writes.enter_context(h.checkpoint_writes(step))
                     engine.save(str(tmp), DS_TAG)  # holds an I/O error until all ranks return
                     (tmp / "ranks").mkdir(exist_ok=True)
                     torch.save(rank_state, tmp / "ranks" / f"rank_{self.rank:05d}.pt")
@@ -312,62 +306,67 @@ class CheckpointManager:
     def resolve_resume(self, resume: str, on_existing: str = "refuse",
                        metrics_file: str = "metrics.jsonl",
                        run_files: Tuple[str, ...] = ()) -> Optional[Path]:
-        """Rank 0 picks (and verifies) the checkpoint to resume from; all ranks get its path.
+        """Rank 0 picks (and verifies) the checkpoint to resume from; all ranks get its path, or
+        all raise the same error.
 
         ``auto`` with checkpoints of which none verifies refuses (CheckpointError, nothing
         touched) unless ``on_existing`` archives or overwrites the old history; so does
-        ``never`` in a directory that holds a history (preflight refuses that case earlier).
-        ``run_files``: more of the run's files (its W&B dir), set aside with the checkpoints."""
+        ``never`` in a directory that holds a history (ConfigError; preflight refuses that case
+        earlier). ``run_files``: more of the run's files (its W&B dir), set aside with the
+        checkpoints."""
         import torch.distributed as dist
 
-        choice: List[Any] = [None, []]
+        choice: List[Any] = [None, [], None]  # path, warnings, the error every rank raises
         if self.rank == 0:
-            if resume == "never":
-                choice = [None, self._start_over(on_existing, (metrics_file, *run_files), None)]
-            elif resume == "auto":
-                path, warnings = find_latest(self.root, self.checksums)
-                if path is None and warnings:
-                    warnings = self._start_over(on_existing, (metrics_file, *run_files),
-                                                warnings)
-                choice = [str(path) if path else None, warnings]
-            else:
-                reason = verify(Path(resume), self.checksums)
-                if reason is not None:
-                    choice = [None, [f"ERROR: trainer.resume={resume}: {reason}"]]
-                else:
-                    choice = [str(Path(resume)), []]
+            try:
+                choice = [*self._choose(resume, on_existing, (metrics_file, *run_files)), None]
+            except (CheckpointError, ConfigError) as e:
+                choice = [None, [], e]
         dist.broadcast_object_list(choice, src=0)
-        path, warnings = choice
-        for w in warnings:
-            if w.startswith("ERROR: "):
-                raise CheckpointError(w[len("ERROR: "):])
-            if w.startswith("CONFIG: "):
-                from llama_train.config import ConfigError
-
-                raise ConfigError(w[len("CONFIG: "):])
-            if self.rank == 0:
+        path, warnings, error = choice
+        if error is not None:
+            raise error
+        if self.rank == 0:
+            for w in warnings:
                 log.warning(w)
         return Path(path) if path else None
 
+    def _choose(self, resume: str, on_existing: str,
+                run_files: Tuple[str, ...]) -> Tuple[Optional[str], List[str]]:
+        """Rank 0: (checkpoint path or None, warnings); raises what refuses the start."""
+        if resume == "never":
+            return None, self._start_over(on_existing, run_files, None)
+        if resume == "auto":
+            path, warnings = find_latest(self.root, self.checksums)
+            if path is None and warnings:
+                warnings = self._start_over(on_existing, run_files, warnings)
+            return (str(path) if path else None), warnings
+        reason = verify(Path(resume), self.checksums)
+        if reason is not None:
+            raise CheckpointError(f"trainer.resume={resume}: {reason}")
+        return str(Path(resume)), []
+
     def _start_over(self, on_existing: str, run_files: Tuple[str, ...],
                     unusable: Optional[List[str]]) -> List[str]:
-        """Rank 0, starting from step 0: the old history stays (refused) or is set aside.
-        Returns the messages for all ranks (an ``ERROR: `` or ``CONFIG: `` one refuses). ``run_files``: the
-        metrics file first, then more names to set aside."""
+        """Rank 0, starting from step 0: the old history stays (refused: raises) or is set
+        aside. Returns the warnings to log. ``run_files``: the metrics file first, then more
+        names to set aside."""
         history = existing_history(self.output_dir, run_files[0])
         if not history:
             return list(unusable or [])
         if on_existing == "refuse":
             if unusable is None:  # resume=never (preflight refuses this before the group)
-                return [f"CONFIG: trainer.resume=never but {self.output_dir} holds a run "
-                        f"({', '.join(history[-3:])}); set trainer.on_existing=archive or "
-                        f"overwrite, or use another trainer.output_dir."]
+                raise ConfigError(
+                    f"trainer.resume=never but {self.output_dir} holds a run "
+                    f"({', '.join(history[-3:])}); set trainer.on_existing=archive or "
+                    f"overwrite, or use another trainer.output_dir.")
             listed = "; ".join(w.removeprefix("skipping checkpoint ") for w in unusable)
-            return [f"ERROR: trainer.resume=auto: none of the {len(unusable)} checkpoint(s) in "
-                    f"{self.root} verifies: {listed}. Nothing was changed. Restore a good copy "
-                    f"and relaunch, or start over explicitly with trainer.on_existing=archive "
-                    f"(moves the old history to {Path(self.output_dir) / ARCHIVE}/<time>/) or "
-                    f"trainer.on_existing=overwrite (deletes it)."]
+            raise CheckpointError(
+                f"trainer.resume=auto: none of the {len(unusable)} checkpoint(s) in {self.root} "
+                f"verifies: {listed}. Nothing was changed. Restore a good copy and relaunch, or "
+                f"start over explicitly with trainer.on_existing=archive (moves the old history "
+                f"to {Path(self.output_dir) / ARCHIVE}/<time>/) or trainer.on_existing=overwrite "
+                f"(deletes it).")
         dest = set_aside_history(self.output_dir, on_existing, run_files)
         what = f"archived to {dest}" if dest else "deleted (trainer.on_existing=overwrite)"
         return [*(unusable or []), f"starting over at step 0: the previous history in "

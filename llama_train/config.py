@@ -18,6 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from llama_train.comm import CommConfig
+from llama_train.policy import may_change, per_launch
 from llama_train.data.config import DataConfig
 from llama_train.model import ModelArgs
 
@@ -70,42 +71,43 @@ class OptimConfig:
 class TrainerConfig:
     """The loop: how long, how big a batch, how often to log, evaluate and save, where."""
 
-    output_dir: str = "outputs/llama-train"
-    max_steps: int = 200
+    output_dir: str = per_launch("outputs/llama-train")
+    max_steps: int = may_change(200)
     seq_len: int = 256
-    micro_batch: int = 8  # sequences per rank per forward/backward
-    global_batch: Optional[int] = None  # sequences per optimizer step (default: micro_batch * world)
-    global_batch_tokens: Optional[int] = None  # alternative to global_batch, in tokens
-    log_every: int = 10
-    eval_every: int = 50
+    micro_batch: int = may_change(8)  # sequences per rank per forward/backward
+    global_batch: Optional[int] = may_change(None)  # sequences per optimizer step (default: micro_batch * world)
+    global_batch_tokens: Optional[int] = may_change(None)  # alternative to global_batch, in tokens
+    log_every: int = may_change(10)
+    eval_every: int = may_change(50)
     # The evaluation set: the first eval_sequences windows of the val split, each evaluated once
     # (split across ranks): the same set whatever the micro-batch, world size or ZeRO stage.
-    eval_sequences: int = 32
+    eval_sequences: int = may_change(32)
     # Packed windows hold several documents (each ends with EOS): true = a token attends only
     # to earlier tokens of its own document (LLaMA 3), false = to every earlier token.
     document_mask: bool = False
-    save_every: int = 100
-    keep_last: int = 3
-    resume: str = "auto"  # auto | never | <checkpoint path>
+    save_every: int = may_change(100)
+    keep_last: int = may_change(3)
+    resume: str = per_launch("auto")  # auto | never | <checkpoint path>
     # Print the resolved plan (shape, parameters, tokens, steps, epochs, FLOPs, estimated time)
     # and exit: no process group, no data preparation.
-    dry_run: bool = False
+    dry_run: bool = per_launch(False)
     # A run that starts from step 0 in an output_dir holding another history (checkpoints or
     # metrics): refuse (exit 2; exit 3 when resume=auto found only checkpoints that fail to
     # verify), archive it to <output_dir>/archive/<UTC time>/, or overwrite (delete) it.
-    on_existing: str = "refuse"
-    # Run-defining keys (model.*, optim.*, data.*, trainer.seed, ...) that may differ from the
-    # checkpoint's when resuming, e.g. [optim.lr] or a whole group [optim]; docs/reliability.md.
-    allow_config_change: List[str] = field(default_factory=list)
-    steps_this_run: Optional[int] = None  # stop (with a checkpoint) after this many steps
-    init_from: Optional[str] = None  # start from weights: a HF Llama dir or a llama-import .pt
+    on_existing: str = per_launch("refuse")
+    # Run-defining keys (model.*, optim.*, data.*, trainer.seed, ...: every field not marked
+    # may_change/per_launch, see llama_train.policy) that may differ from the checkpoint's when
+    # resuming, e.g. [optim.lr] or a whole group [optim]; docs/reliability.md.
+    allow_config_change: List[str] = per_launch(factory=list)
+    steps_this_run: Optional[int] = per_launch(None)  # stop (with a checkpoint) after this many steps
+    init_from: Optional[str] = per_launch(None)  # start from weights: a HF Llama dir or a llama-import .pt
     seed: int = 1337
-    device: str = "auto"  # auto | cpu | cuda
-    compile: bool = False  # torch.compile each transformer block
+    device: str = may_change("auto")  # auto | cpu | cuda
+    compile: bool = may_change(False)  # torch.compile each transformer block
     # Peak FLOP/s per device for MFU. None: the datasheet bf16 figure on known GPUs, else a matmul
     # measured at start-up (which reads low, so MFU high, if the machine is busy at that moment).
-    peak_flops: Optional[float] = None
-    verify_checksums: bool = True  # sha256 of checkpoint files on save and before resume
+    peak_flops: Optional[float] = may_change(None)
+    verify_checksums: bool = may_change(True)  # sha256 of checkpoint files on save and before resume
 
     def __post_init__(self) -> None:
         _check_positive("trainer", self, ["max_steps", "seq_len", "micro_batch", "log_every",
@@ -166,29 +168,29 @@ class SampleConfig:
 class DeepSpeedConfig:
     """What the engine module turns into a DeepSpeed JSON config."""
 
-    zero_stage: int = 0
+    zero_stage: int = may_change(0)
     precision: str = "auto"  # auto | bf16 | fp16 | fp32 (auto: bf16 on CUDA, fp32 on CPU)
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    overlap_comm: bool = False
-    contiguous_gradients: bool = True
+    offload_optimizer: bool = may_change(False)
+    offload_params: bool = may_change(False)
+    overlap_comm: bool = may_change(False)
+    contiguous_gradients: bool = may_change(True)
     # Bucket sizes and thresholds in elements. None: scaled to the model width as HF's DeepSpeed
     # integration sets "auto" (see zero_sizes), so a 270M model does not hold a 100 MB bucket per
     # rank and a 70B model still reduces and prefetches in large collectives.
-    reduce_bucket_size: Optional[int] = None  # dim^2
-    allgather_bucket_size: int = 50_000_000  # ZeRO-1/2
-    stage3_prefetch_bucket_size: Optional[int] = None  # 0.9 dim^2
-    stage3_param_persistence_threshold: Optional[int] = None  # 10 dim
+    reduce_bucket_size: Optional[int] = may_change(None)  # dim^2
+    allgather_bucket_size: int = may_change(50_000_000)  # ZeRO-1/2
+    stage3_prefetch_bucket_size: Optional[int] = may_change(None)  # 0.9 dim^2
+    stage3_param_persistence_threshold: Optional[int] = may_change(None)  # 10 dim
     # ZeRO-3 releases a parameter after use and gathers it again in backward (reuse distance 0,
     # like FSDP's default reshard-after-forward), and keeps at most dim^2 gathered elements beyond
     # what the module in use needs. DeepSpeed's defaults (1e9 each) keep every parameter of a
     # model below 1e9 gathered from forward to backward, 2 B/param more on every rank; a large
     # max_live alone (with reuse distance 0) still kept 1.9 B/param more at 268M on 8 ranks
     # (docs/benchmarks-memory.md). Raise them for more prefetch overlap where memory allows.
-    stage3_max_reuse_distance: int = 0
-    stage3_max_live_parameters: Optional[int] = None  # dim^2
-    sub_group_size: int = 1_000_000_000  # ZeRO-3 optimizer step granularity (DeepSpeed's default)
-    steps_per_print: int = 1_000_000  # our logger prints; keep DeepSpeed's own quiet
+    stage3_max_reuse_distance: int = may_change(0)
+    stage3_max_live_parameters: Optional[int] = may_change(None)  # dim^2
+    sub_group_size: int = may_change(1_000_000_000)  # ZeRO-3 optimizer step granularity (DeepSpeed's default)
+    steps_per_print: int = may_change(1_000_000)  # our logger prints; keep DeepSpeed's own quiet
 
     def __post_init__(self) -> None:
         _check_choice("deepspeed.zero_stage", self.zero_stage, (0, 1, 2, 3))
@@ -276,9 +278,9 @@ class ScalingConfig:
     # The planned N is this count of the chosen shape: total (Chinchilla's N, embeddings
     # included) or non_embedding (Kaplan's; where a large vocabulary dominates a tiny model).
     count: str = "total"
-    tolerance: float = 0.05  # how far the chosen shape's count may be from the planned N
+    tolerance: float = per_launch(0.05)  # how far the chosen shape's count may be from the planned N
     # The plan's tokens over the train split: above 1 warns (repeated data), above this refuses.
-    max_epochs: float = 4.0
+    max_epochs: float = per_launch(4.0)
     # The learning rate per run: optim.lr is the rate at lr_ref_params parameters (this count)
     # and lr_ref_flops training FLOPs (6 N D of the run); a run of N and C trains at
     # optim.lr * (N / lr_ref_params)^-lr_exponent * (C / lr_ref_flops)^-lr_flops_exponent.
@@ -313,11 +315,11 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
-    sample: SampleConfig = field(default_factory=SampleConfig)
+    recovery: RecoveryConfig = may_change(factory=RecoveryConfig)
+    sample: SampleConfig = may_change(factory=SampleConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    comm: CommConfig = field(default_factory=CommConfig)
+    tracking: TrackingConfig = may_change(factory=TrackingConfig)
+    comm: CommConfig = may_change(factory=CommConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     experiment: Optional[Any] = None
 
@@ -420,58 +422,16 @@ def config_warnings(cfg: Config) -> List[str]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Resuming under a changed config: which keys define the run
-
-
-# Keys that may change between launches of one run; the changes are logged. Everything else
-# (model.*, optim.*, data.source/seed/..., trainer.seed, trainer.seq_len, deepspeed.precision,
-# scaling.*) defines the run and must match the checkpoint unless trainer.allow_config_change
-# lists it. The global batch is compared as resolved (trainer_state.json), not as written: the
-# same batch may be spelt micro_batch x world size, global_batch or global_batch_tokens.
-SAFE_CHANGES = (
-    "trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.log_every",
-    "trainer.eval_every", "trainer.eval_sequences", "trainer.micro_batch", "trainer.global_batch",
-    "trainer.global_batch_tokens", "trainer.device", "trainer.compile", "trainer.peak_flops",
-    "trainer.verify_checksums", "deepspeed.zero_stage", "deepspeed.offload_optimizer",
-    "deepspeed.offload_params", "deepspeed.overlap_comm", "deepspeed.contiguous_gradients",
-    "deepspeed.reduce_bucket_size", "deepspeed.allgather_bucket_size",
-    "deepspeed.stage3_prefetch_bucket_size", "deepspeed.stage3_param_persistence_threshold",
-    "deepspeed.steps_per_print", "data.name", "data.prepared_dir", "data.num_proc",
-    "data.num_workers", "data.verify", "data.shard_tokens", "data.dtype", "data.streaming",
-    "data.tokenizer", "data.tokenizer_max_sentences", "model.activation_checkpointing",
-    "recovery", "sample", "tracking", "comm",
-)
-# Per-launch controls: not compared at all.
-LAUNCH_KEYS = ("trainer.output_dir", "trainer.resume", "trainer.steps_this_run",
-               "trainer.on_existing", "trainer.allow_config_change", "trainer.init_from",
-               "trainer.dry_run", "scaling.max_epochs", "scaling.tolerance")
-
-
-def _flatten(d: Any, prefix: str = "") -> dict:
+def flatten(d: Any, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (an empty dict stays a leaf)."""
     if not isinstance(d, dict):
         return {prefix: d}
     out = {}
     for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) and v
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) and v
                    else {f"{prefix}{k}": v})
     return out
 
-
-def _under(key: str, names) -> bool:
-    return any(key == n or key.startswith(n + ".") for n in names)
-
-
-def config_changes(saved: dict, current: dict):
-    """(run-defining, safe) changes between a checkpoint's config and this run's, each a list
-    of (key, old, new). Keys the checkpoint does not have (it predates them) are not compared."""
-    old, new = _flatten(saved), _flatten(current)
-    defining, safe = [], []
-    for key in sorted(new):
-        if key not in old or old[key] == new[key] or _under(key, LAUNCH_KEYS):
-            continue
-        (safe if _under(key, SAFE_CHANGES) else defining).append((key, old[key], new[key]))
-    return defining, safe
 
 
 # ----------------------------------------------------------------------------------------------
@@ -495,7 +455,7 @@ def _reject_unknown_keys(node: DictConfig, prefix: str) -> None:
 
 def config_keys() -> List[str]:
     """Every key a user can set (``trainer.max_steps``, ``tracking.wandb.mode``, ...)."""
-    return sorted(_flatten(OmegaConf.to_container(OmegaConf.structured(Config))))
+    return sorted(flatten(OmegaConf.to_container(OmegaConf.structured(Config))))
 
 
 def unknown_key_message(key: str) -> str:
@@ -595,14 +555,25 @@ def to_container(cfg: DictConfig | Config) -> dict:
     return scrub_secrets(data)
 
 
-_SECRET_WORDS = ("api_key", "apikey", "token", "secret", "password")
+# Whole key names, not substrings: "token" must not hide data.tokenizer (a path) or
+# trainer.global_batch_tokens. Case-insensitive; '-' counts as '_'.
+_SECRET_NAMES = ("api_key", "apikey", "token", "secret", "password")
+_SECRET_SUFFIXES = ("_token", "_key", "_apikey", "_secret", "_password")
+
+
+def is_secret_key(key: Any) -> bool:
+    """Whether a config key names a credential: one of _SECRET_NAMES, or ending in one of
+    _SECRET_SUFFIXES (hf_token, aws_secret_key, db_password)."""
+    k = str(key).lower().replace("-", "_")
+    return k in _SECRET_NAMES or k.endswith(_SECRET_SUFFIXES)
 
 
 def scrub_secrets(obj: Any) -> Any:
+    """``obj`` with every string value under a secret key (is_secret_key) replaced by '***',
+    through nested dicts and lists (what config.yaml, checkpoints and W&B get)."""
     if isinstance(obj, dict):
         return {
-            k: ("***" if any(w in str(k).lower() for w in _SECRET_WORDS) and isinstance(v, str)
-                else scrub_secrets(v))
+            k: ("***" if is_secret_key(k) and isinstance(v, str) else scrub_secrets(v))
             for k, v in obj.items()
         }
     if isinstance(obj, list):

@@ -37,7 +37,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Set
 
-from llama_train.checkpoint import SaveFaults
 from llama_train.hooks import Hook
 
 ENV = "LLAMA_TRAIN_FAULTS"
@@ -131,9 +130,9 @@ class FaultPlan:
         return self.loss_scale.get(batch, 1.0)
 
 
-class FaultInjector(Hook, SaveFaults):
-    """The faults of a :class:`FaultPlan` for one rank: a hook on the loop and the save faults
-    the checkpoint manager consults."""
+class FaultInjector(Hook):
+    """The faults of a :class:`FaultPlan` for one rank, as a hook on the loop and on the
+    checkpoint manager's saves."""
 
     def __init__(self, plan: FaultPlan, rank: int):
         self.plan, self.rank = plan, rank
@@ -162,13 +161,13 @@ class FaultInjector(Hook, SaveFaults):
                 return f
         return None
 
-    def check_mkdir(self, step: int, path) -> None:
+    def on_checkpoint_dir(self, step: int, path) -> None:
         f = self._save_fault(step, "mkdir")
         if f is not None:
             raise OSError(f.errno, os.strerror(f.errno), str(path))
 
     @contextlib.contextmanager
-    def failing_writes(self, step: int) -> Iterator[None]:
+    def checkpoint_writes(self, step: int) -> Iterator[None]:
         """During one checkpoint save: the planned ``torch.save`` call writes half its bytes and
         raises, like a disk that fills up in the middle of a file."""
         f = self._save_fault(step, "write")

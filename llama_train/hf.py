@@ -421,6 +421,52 @@ def import_hf(hf_dir: PathLike) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
 # --------------------------------------------------------------------------------------------
 
 
+# ------------------------------------------------------------------------------------------------
+# trainer.init_from: weights to start a run from
+
+
+def read_init_from(path: str, with_weights: bool):
+    """(ModelArgs, state dict or None) of trainer.init_from: a Hugging Face Llama directory or a
+    llama-import file (memory-mapped: reading its shape costs no copy of the weights)."""
+    from llama_train.config import ConfigError
+
+    p = Path(path)
+    what = (f"trainer.init_from={path} is not weights we can start from: give a Hugging Face "
+            f"Llama directory (config.json + safetensors) or a .pt written by llama-import "
+            f"(a llama_train checkpoint directory: llama-export it first, or continue it with "
+            f"trainer.resume=<it>)")
+    try:
+        if p.is_dir():
+            if with_weights:
+                return import_hf(p)
+            if not (p / "config.json").is_file():
+                raise ValueError(f"{p / 'config.json'} does not exist")
+            return from_hf_config(json.loads((p / "config.json").read_text())), None
+        blob = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+        if not isinstance(blob, dict) or not {"model_args", "model"} <= set(blob):
+            raise ValueError(f"it holds {type(blob).__name__} "
+                             f"{sorted(blob)[:5] if isinstance(blob, dict) else ''}, not "
+                             f"{{'model_args', 'model'}}")
+        return ModelArgs(**blob["model_args"]), (blob["model"] if with_weights else None)
+    except Exception as e:  # noqa: BLE001 - whatever the reader says, the answer is the same
+        raise ConfigError(f"{what}. Reading it said: {str(e).strip().splitlines()[0][:300]}") \
+            from None
+
+
+def check_init_from(path: str, model_args) -> None:
+    """trainer.init_from must be readable weights of this model's shape: checked before the
+    process group starts."""
+    from llama_train.config import ConfigError
+
+    args, _ = read_init_from(path, with_weights=False)
+    diff = model_args.shape_differences(args)
+    if diff:
+        raise ConfigError(
+            f"trainer.init_from={path} has "
+            + ", ".join(f"{n}={theirs}" for n, _, theirs in diff) + " but the model config has "
+            + ", ".join(f"{n}={ours}" for n, ours, _ in diff) + ": pick the matching model preset.")
+
+
 def export_main(argv: Optional[list[str]] = None) -> None:
     """``llama-export <checkpoint_dir> <out_dir> [--dtype fp32|bf16|fp16]``."""
     p = argparse.ArgumentParser(prog="llama-export", description="Export a llama_train checkpoint to Hugging Face format.")

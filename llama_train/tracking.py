@@ -5,9 +5,9 @@ This is the one place that decides which rank writes; the training loop calls it
 
 ``metrics.jsonl`` holds one line per logged step of the run as it finally went, plus ``event``
 lines (checkpoint, resume, skipped_step, spike, rollback, ...); every line has the wall-clock
-``time`` it was written (unix seconds). Its length at each checkpoint travels in the checkpoint,
-so a resume cuts the file back to exactly what it was then, and a rollback cuts it back but keeps
-the events that explain why. W&B gets the same records against a ``step`` axis of its own (steps
+``time`` it was written (unix seconds); the records are defined in llama_train.records. Its
+length at each checkpoint travels in the checkpoint, so a resume cuts the file back to exactly
+what it was then, and a rollback cuts it back but keeps the events that explain why. W&B gets the same records against a ``step`` axis of its own (steps
 may repeat after a rollback; W&B's own step counter never goes back). TensorBoard gets the same
 scalars against ``step``; a resume or rollback opens a new event file with ``purge_step`` so
 TensorBoard hides what the abandoned steps wrote (docs/tracking.md).
@@ -16,7 +16,6 @@ TensorBoard hides what the abandoned steps wrote (docs/tracking.md).
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import netrc
 import os
@@ -25,11 +24,11 @@ import shlex
 import string
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 from llama_train.config import ConfigError, TrackingConfig
-from llama_train.util import jsonable
+from llama_train.records import EVENT, EventRecord, Record, StepRecord, parse_line
 
 log = logging.getLogger("llama_train")
 
@@ -135,12 +134,11 @@ class Tracker:
                 self.metrics_path.unlink()  # a fresh run starts a fresh history
             self.lines = 0
         elif self._resume_lines is not None:
-            self._cut(self._resume_lines, keep=lambda r: r.get("event") == "checkpoint"
+            self._cut(self._resume_lines, keep=lambda r: r.event == "checkpoint"
                       and r.get("path") == checkpoint, keep_first_only=True)
         else:  # a checkpoint from before line counts were saved: cut by step
             rows = self._read()
-            self._write([line for line, r in rows if r is not None and r.get("step", 0)
-                         <= resume_step])
+            self._write([line for line, r in rows if r is not None and r.step <= resume_step])
         if self.cfg.tensorboard.enabled:
             # fresh: hide whatever an earlier start left in the directory; resume: what the run
             # that died wrote after the checkpoint
@@ -158,22 +156,18 @@ class Tracker:
         if lines is None:  # old checkpoint: fall back to steps
             rows = self._read()
             self._write([line for line, r in rows if r is not None
-                         and (r.get("step", 0) <= step or "event" in r)])
+                         and (r.step <= step or r.event is not None)])
         else:
-            self._cut(lines, keep=lambda r: "event" in r)
+            self._cut(lines, keep=lambda r: r.event is not None)
         if self._tb is not None:
             self._open_tensorboard(step + 1)
 
-    def _read(self):
+    def _read(self) -> List[Tuple[str, Optional[Record]]]:
+        """(line, its record) of every line; None for a line cut by a kill -9 (kept lines are
+        written back as they were, byte for byte)."""
         if not self.metrics_path.exists():
             return []
-        rows = []
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                rows.append((line, json.loads(line)))
-            except json.JSONDecodeError:
-                rows.append((line, None))  # a line cut by a kill -9
-        return rows
+        return [(line, parse_line(line)) for line in self.metrics_path.read_text().splitlines()]
 
     def _cut(self, lines: int, keep, keep_first_only: bool = False) -> None:
         rows = self._read()
@@ -206,9 +200,8 @@ class Tracker:
         _after_newest_event_file(self.tb_dir)
         self._tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge_step)
         for _, r in self._read():
-            if r is not None and "event" in r and r.get("step", 0) >= purge_step:
-                fields = {k: v for k, v in r.items() if k not in ("step", "time", "event")}
-                self._tb_event(r["step"], r["event"], fields, r.get("time"))
+            if r is not None and r.event is not None and r.step >= purge_step:
+                self._tb_event(r.step, r.event, r.fields, r.time)
 
     def _start_wandb(self, resume: bool) -> None:
         import wandb
@@ -242,18 +235,21 @@ class Tracker:
         log.info("wandb: run %s (%s) in %s", self.run_id, self.mode, wandb_dir)
 
     # -- logging ---------------------------------------------------------------------------
+    def _append(self, record: Record) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(record.to_line())
+            f.flush()
+        self.lines += 1
+
     def log(self, step: int, metrics: Dict[str, Any]) -> None:
         if not self.enabled:
             return
         now = time.time()
-        record = {"step": step, "time": round(now, 3),
-                  **{k: jsonable(v) for k, v in metrics.items()}}
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-        self.lines += 1
-        if "event" in metrics:
-            return  # event() sends its own counters
+        if EVENT in metrics:  # an event's line only, as event() writes it (which sends the counters)
+            fields = {k: v for k, v in metrics.items() if k != EVENT}
+            self._append(EventRecord.new(step, metrics[EVENT], fields, now))
+            return
+        self._append(StepRecord.new(step, metrics, now))
         # a dict of numbers (mixture_tokens: {source: tokens}) goes to the dashboards as
         # one series per key, <name>/<key>
         metrics = {**{k: v for k, v in metrics.items() if not isinstance(v, dict)},
@@ -271,7 +267,7 @@ class Tracker:
     def event(self, step: int, name: str, **fields: Any) -> None:
         if not self.enabled:
             return
-        self.log(step, {"event": name, **fields})
+        self._append(EventRecord.new(step, name, fields, time.time()))
         if self._wandb is not None:  # a counter per event kind, its numeric fields beside it
             self._wandb.log({"step": step, f"event/{name}": 1,
                              **{f"event/{name}/{k}": v for k, v in fields.items()

@@ -1,5 +1,7 @@
-"""``llama-train``: the Hydra app. Composes and checks the config, prepares the data (all before
-any process group exists), then hands over to :class:`llama_train.trainer.Trainer`.
+"""``llama-train``: the Hydra app and its exit codes. Composes the config, runs
+:func:`llama_train.preflight.preflight` (checks and data, before any process group exists), then
+:func:`llama_train.trainer.start` and the loop; turns every failure into an exit code and one
+line that says what to do.
 
 Works unchanged under the ``deepspeed`` launcher (its ``--local_rank=N`` is taken off argv before
 Hydra parses it) and as a plain single process. Exit codes (docs/reliability.md): 2 bad config or
@@ -14,312 +16,31 @@ import faulthandler
 import logging
 import os
 import signal
-import socket
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import hydra
 from omegaconf import DictConfig
 
-from llama_train.config import (BatchPlan, Config, ConfigError, config_warnings, load_config,
-                                resolve_batch, to_container, validate)
+from llama_train.config import Config, ConfigError, load_config
 from llama_train.hooks import Hook
 from llama_train.paths import CONFIG_DIR
+from llama_train.preflight import preflight
 from llama_train.proc import exit_skipping_teardown
 
 log = logging.getLogger("llama_train")
 
 
-def _setup_logging(rank: int) -> None:
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s [rank{rank}] %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-        force=True,
-    )
-
-
-@dataclass
-class Preflight:
-    """Everything decided before a process group exists."""
-
-    cfg: Config  # the config the run trains with (an experiment's plan applied)
-    rt: Any  # engine.Runtime
-    model_args: Any  # model.ModelArgs
-    plan: BatchPlan
-    prepared: Any  # data.Prepared
-    experiment: Any = None  # scaling.ExperimentPlan, for experiment=... runs
-    lock: Any = None  # runlock.RunLock on rank 0: the output_dir is this job's until release()
-    command: Optional[str] = None  # the llama-train command of this job (run_info.json)
-
-    def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
-
-
-def preflight(cfg: Config) -> Preflight:
-    """Validate the config, claim the output dir and prepare the data. Any error here is raised
-    before the process group starts, naming the key and the fix. On rank 0 the returned
-    Preflight holds the output dir's lock: call its ``release()`` when the run ends."""
-    from llama_train.data import check_compatible, prepare_data
-    from llama_train.engine import detect_runtime
-    from llama_train.faults import FaultPlan
-    from llama_train.comm import check_backend
-    from llama_train.runlock import RunLock, check_not_held_by_another_job
-
-    rt = detect_runtime(cfg.trainer.device)
-    _setup_logging(rt.rank)
-    cfg, experiment = plan_experiment(cfg, rt.world_size)
-    plan = validate(cfg, rt.world_size, rt.device_type)
-    if rt.rank == 0:
-        for warning in config_warnings(cfg):
-            log.warning("%s", warning)
-    if cfg.trainer.init_from:
-        from llama_train.trainer import check_init_from
-
-        check_init_from(cfg.trainer.init_from, cfg.model)
-    FaultPlan.from_env()  # a malformed LLAMA_TRAIN_FAULTS fails here, not mid-run
-    try:
-        check_backend(cfg.comm, rt.device_type)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    _check_writable(cfg.trainer.output_dir)
-    check_not_held_by_another_job(cfg.trainer.output_dir)  # every rank, before the data
-    _check_one_history(cfg)
-    resume_from = _check_resume_config(cfg, plan)  # files only: before data and process group
-    prepared = prepare_data(cfg.data, vocab_size=cfg.model.vocab_size)
-    check_compatible(prepared.meta, cfg.model.vocab_size, cfg.trainer.seq_len)
-    _check_epochs(cfg, plan, prepared.meta, rt.rank)
-    _check_prepared_tokenizer(prepared)
-    if resume_from is not None:  # the checkpoint's tokenizer against the data's, now known
-        _check_resume_config(cfg, plan, prepared.meta["tokenizer"].get("sha256"))
-    # last: a refused config or data leaves no lock file behind (prepared data is found quickly)
-    lock = RunLock(cfg.trainer.output_dir).acquire() if rt.rank == 0 else None
-    return Preflight(cfg, rt, cfg.model, plan, prepared, experiment, lock)
-
-
-def _check_resume_config(cfg: Config, plan: BatchPlan, tokenizer_sha: Optional[str] = None):
-    """A resume that the trainer would refuse (another run-defining config, global batch, model
-    shape or tokenizer) is refused here, from the checkpoint's files, before data preparation
-    and the process group. Returns the checkpoint compared (None: a fresh start)."""
-    from llama_train.checkpoint import read_state, resume_candidate
-    from llama_train.trainer import check_config_changes
-
-    ckpt = resume_candidate(cfg.trainer.output_dir, cfg.trainer.resume)
-    if ckpt is not None:
-        check_config_changes(ckpt, read_state(ckpt), to_container(cfg),
-                             plan.global_batch, tokenizer_sha, cfg.trainer.allow_config_change)
-    return ckpt
-
-
-def _check_epochs(cfg: Config, plan: BatchPlan, meta: dict, rank: int) -> float:
-    """How many times the run reads the train split (data.mixture: the source read most often,
-    by its weight): said at start; for a scaling experiment (whose law assumes fresh tokens) a
-    warning above 1 and a refusal above scaling.max_epochs."""
-    tokens = cfg.trainer.max_steps * plan.tokens_per_step
-    train_tokens, split = meta["splits"]["train"]["tokens"], "the train split"
-    epochs = tokens / max(1, train_tokens)
-    if "sources" in meta:  # a mixture
-        total = sum(s["weight"] for s in meta["sources"])
-        each = {s["name"]: (tokens * s["weight"] / total / max(1, s["train_tokens"]),
-                            s["train_tokens"]) for s in meta["sources"]}
-        name = max(each, key=lambda n: each[n][0])
-        epochs, train_tokens = each[name]
-        split = f"source {name} (by its weight)"
-        if rank == 0:
-            log.info("data.mixture epochs: %s", ", ".join(f"{n} {e:.3g}"
-                                                         for n, (e, _) in each.items()))
-    what = (f"{cfg.trainer.max_steps} steps x {plan.tokens_per_step:,} tokens read {split} "
-            f"({train_tokens:,} tokens) {epochs:.3g} times")
-    if cfg.scaling.mode == "none" or epochs <= 1:
-        if rank == 0:
-            log.info("data: %s", what)
-        return epochs
-    s = cfg.scaling
-    if epochs > s.max_epochs:
-        raise ConfigError(
-            f"scaling.mode={s.mode}: {what}, more than scaling.max_epochs={s.max_epochs:g}. A "
-            f"scaling law's tokens are fresh tokens: lower scaling.flops, use a larger "
-            f"data.source, or raise scaling.max_epochs to accept the repetition.")
-    if rank == 0:
-        log.warning("scaling.mode=%s: %s: repeated tokens are worth less than fresh ones, so "
-                    "the loss will sit above the law's prediction (limit: scaling.max_epochs=%g)",
-                    s.mode, what, s.max_epochs)
-    return epochs
-
-
-def dry_run(cfg: Config) -> None:
-    """trainer.dry_run=true: the plan this command would train, then exit. No process group and
-    no data preparation (epochs only when the data is already prepared)."""
-    from llama_train.data import DataError, find_prepared
-    from llama_train.engine import detect_runtime
-    from llama_train.model import count_params, flops_per_token
-
-    rt = detect_runtime(cfg.trainer.device)
-    _setup_logging(rt.rank)
-    cfg, experiment = plan_experiment(cfg, rt.world_size)
-    plan = validate(cfg, rt.world_size, rt.device_type)
-    if rt.rank != 0:
-        return
-    t, m = cfg.trainer, cfg.model
-    n, fpt = count_params(m), flops_per_token(m, t.seq_len)
-    tokens = t.max_steps * plan.tokens_per_step
-    try:
-        found = find_prepared(cfg.data, vocab_size=m.vocab_size)
-    except DataError as e:
-        found, why = None, str(e)
-    else:
-        why = "not prepared yet: it would be prepared first"
-    if found is not None:
-        train_tokens = found.meta["splits"]["train"]["tokens"]
-        epochs = (f"{tokens / max(1, train_tokens):.2f} epochs of the train split "
-                  f"({train_tokens:,} tokens, {found.dir})")
-    else:
-        epochs = f"unknown ({why})"
-    seconds, how = _estimate_step_seconds(m, plan, rt, cfg.deepspeed)
-    lines = [
-        "dry run (trainer.dry_run=true): the plan, nothing started",
-        *([f"  experiment: {experiment.describe()}"] if experiment else []),
-        f"  model: dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads ({m.kv_heads} kv), vocab "
-        f"{m.vocab_size}, ffn {m.ffn_hidden_dim}",
-        f"  parameters: {n['total']:,} total, {n['non_embedding']:,} non-embedding",
-        f"  batch: {rt.world_size} rank(s) x micro {plan.micro_batch} x accum {plan.grad_accum} = "
-        f"{plan.global_batch} sequences x {t.seq_len} tokens = {plan.tokens_per_step:,} "
-        f"tokens/step",
-        f"  steps: {t.max_steps:,} (warmup {cfg.optim.warmup_steps}) = {tokens:,} tokens; "
-        f"{epochs}",
-        f"  FLOPs: {fpt:.3g}/token x {tokens:.3g} tokens = {fpt * tokens:.3g}",
-        f"  estimated time: {seconds * t.max_steps / 60:.1f} min ({seconds:.3g} s/step; {how})",
-        f"  output: {t.output_dir}",
-    ]
-    print("\n".join(lines), flush=True)
-
-
-def _estimate_step_seconds(m, plan: BatchPlan, rt, ds) -> tuple:
-    """Seconds per optimizer step on this machine: timed forward+backward passes of the model
-    (small models), else its FLOPs over a matmul peak at an assumed 40% MFU."""
-    import time
-
-    import torch
-
-    from llama_train.engine import peak_flops, resolve_precision
-    from llama_train.model import Transformer, count_params, flops_per_token
-
-    precision = resolve_precision(ds, rt.device_type)
-    if count_params(m)["total"] > 3e8:
-        per_token = flops_per_token(m, plan.seq_len)
-        peak = peak_flops(rt.device, precision)
-        return (per_token * plan.tokens_per_step / rt.world_size / (0.4 * peak),
-                f"FLOPs over this device's {peak:.3g} FLOP/s matmul peak at an assumed 40% MFU")
-    model = Transformer(m, device=rt.device, seed=0)
-    if precision == "bf16":
-        model = model.to(torch.bfloat16)
-    x = torch.randint(0, m.vocab_size, (plan.micro_batch, plan.seq_len), device=rt.device)
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        _, loss = model(x, x)
-        loss.backward()
-        if rt.device_type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    micro = sorted(times[1:])[0]
-    return (micro * plan.grad_accum,
-            f"forward+backward of one micro-batch timed here x {plan.grad_accum} per step; the "
-            f"optimizer and communication come on top")
-
-
-def _check_one_history(cfg: Config) -> None:
-    """trainer.resume=never starts a new history: refuse a directory that holds one unless
-    trainer.on_existing says what to do with it (every rank decides the same, from the files)."""
-    from llama_train.checkpoint import existing_history
-
-    t = cfg.trainer
-    if t.resume != "never" or t.on_existing != "refuse":
-        return
-    found = existing_history(t.output_dir, cfg.tracking.metrics_file)
-    if found:
-        shown = ", ".join(found[-3:]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-        raise ConfigError(
-            f"trainer.resume=never but trainer.output_dir={t.output_dir!r} already holds a run "
-            f"({shown}): one output_dir holds one history. Continue it with trainer.resume=auto, "
-            f"start over with trainer.on_existing=archive (moves it to "
-            f"{Path(t.output_dir) / 'archive'}/<time>/) or trainer.on_existing=overwrite "
-            f"(deletes it), or use another trainer.output_dir. Nothing was changed.")
-
-
-def plan_experiment(cfg: Config, world_size: int):
-    """experiment=compute_optimal|inference_optimal|isoflop: the config this run trains with
-    (model shape, steps, warmup from the plan) and the plan; ``cfg`` itself is left alone."""
-    if cfg.scaling.mode == "none":
-        return cfg, None
-    from llama_train.scaling import plan_experiment as plan_for
-
-    if cfg.data.val_fraction == 0:
-        raise ConfigError(f"scaling.mode={cfg.scaling.mode} compares runs by their validation "
-                          f"loss, but data.val_fraction=0 leaves no validation split: set "
-                          f"data.val_fraction > 0 (default 0.01).")
-    t = cfg.trainer
-    tokens_per_step = resolve_batch(t, world_size).global_batch * t.seq_len
-    exp = plan_for(cfg.scaling, cfg.model, t.seq_len, tokens_per_step, cfg.optim.warmup_steps,
-                   base_lr=cfg.optim.lr)
-    log.info("scaling %s", exp.describe())
-    optim = replace(cfg.optim, warmup_steps=exp.warmup_steps,
-                    lr=exp.lr if exp.lr is not None else cfg.optim.lr)
-    return replace(cfg, model=exp.model, trainer=replace(t, max_steps=exp.max_steps), optim=optim), exp
-
-
-def _check_writable(output_dir: str) -> None:
-    """Every rank writes checkpoint shards: find a read-only or full output dir now, not at the
-    first save hours later. Probes the checkpoint dir, or the nearest existing parent that would
-    hold it, and leaves nothing behind."""
-    d = Path(output_dir).absolute() / "checkpoints"
-    while not d.exists() and d.parent != d:
-        d = d.parent
-    probe = d / f".write-probe-{socket.gethostname()}-{os.getpid()}"
-    try:
-        if not d.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(d))
-        probe.write_bytes(b"\0" * 4096)
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(
-            f"trainer.output_dir={output_dir!r} is not writable: {e.strerror or e} "
-            f"({e.filename or d}). Point trainer.output_dir at a writable directory with free "
-            f"space, or fix its permissions or mount."
-        ) from None
-
-
-def _check_prepared_tokenizer(prepared) -> None:
-    """The tokenizer file beside the shards must be the one meta.json says encoded them."""
-    from llama_train.data import DataError
-    from llama_train.data.tokenizer import file_sha256
-
-    want = prepared.meta["tokenizer"].get("sha256")
-    path = Path(prepared.tokenizer_path)
-    if not path.is_file():
-        raise DataError(f"{path} is missing: the prepared data in {prepared.dir} is incomplete; "
-                        f"delete it and prepare again.")
-    got = file_sha256(path)
-    if want and got != want:
-        raise DataError(
-            f"{path} (sha256 {got[:12]}) is not the tokenizer that encoded the shards in "
-            f"{prepared.dir} (meta.json: sha256 {want[:12]}): the directory mixes two "
-            f"tokenizers. Delete it and prepare again, or restore its tokenizer.model."
-        )
-
-
 def train(cfg: Config, hooks: Sequence[Hook] = ()) -> Dict[str, Any]:
     """The whole job in this process (one rank, or one of the launcher's)."""
-    from llama_train.trainer import Trainer
+    from llama_train.trainer import start
 
     pre = preflight(cfg)
     try:
-        return Trainer(pre, hooks).fit()
+        return start(pre, hooks).fit()
     finally:
         pre.release()
 
@@ -357,13 +78,15 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
     from llama_train.checkpoint import CheckpointError
     from llama_train.faults import find_comm_error
     from llama_train.recovery import TrainingAborted
-    from llama_train.trainer import Trainer
+    from llama_train.trainer import start
 
     trainer = pre = None
     try:
         cfg = load_config(dcfg)
         cfg, own_dir = sweep_job_dir(cfg, dcfg)
         if cfg.trainer.dry_run:
+            from llama_train.dry_run import dry_run
+
             dry_run(cfg)
             return None
         pre = preflight(cfg)
@@ -371,7 +94,7 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
         if own_dir and pre.rt.rank == 0:
             log.info("--multirun job %s trains in its own trainer.output_dir=%s", own_dir,
                      cfg.trainer.output_dir)
-        trainer = Trainer(pre, hooks)
+        trainer = start(pre, hooks)
         result = trainer.fit()
     except ValueError as e:  # ConfigError, DataError, ModelArgs checks: a message, not a trace
         _fail(EXIT_BAD_INPUT, e)

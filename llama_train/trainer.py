@@ -1,16 +1,17 @@
 """The training loop: build -> resume -> loop {batch, forward/backward, step, log, eval, save}.
 
 :class:`Trainer` reads top to bottom: :meth:`Trainer.fit` is the loop, :meth:`Trainer.train_step`
-one optimizer step. The pieces it calls are components with small interfaces: the DeepSpeed
-boundary (:class:`llama_train.engine.Engine`), checkpoints (:class:`CheckpointManager`), the data
-stream (:class:`TrainLoader`), tracking (:class:`Tracker`), recovery from bad steps
-(:class:`Recovery`) and hooks (fault injection, benchmarks). Everything a checkpoint must carry
-about the loop itself is one :class:`TrainState`.
+one optimizer step. The pieces it calls are components with small interfaces: one global batch
+trained (:class:`TrainModule`, over the DeepSpeed boundary :class:`llama_train.engine.Engine`),
+checkpoints (:class:`CheckpointManager`), the data stream (:class:`TrainLoader`), tracking
+(:class:`Tracker`), recovery from bad steps (:class:`Recovery`) and hooks (fault injection,
+benchmarks). Everything a checkpoint must carry about the loop itself is one
+:class:`TrainState`. :func:`start` sets the job up (process group, the checkpoint to continue)
+and builds the Trainer.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import signal
@@ -28,15 +29,18 @@ from llama_train import engine as eng
 from llama_train import watchdog
 from llama_train.checkpoint import (CheckpointManager, prepare_universal, read_state, rng_state,
                                     set_rng_state)
-from llama_train.config import ConfigError, to_container
-from llama_train.data import DataError, Tokenizer, TrainLoader, eval_sets
-from llama_train.data.tokenizer import file_sha256
-from llama_train.faults import FaultInjector
+from llama_train.data import TrainLoader, eval_sets
+from llama_train.faults import FaultInjector, FaultPlan
+from llama_train.flops import PeakFlops, memory_stats
 from llama_train.hooks import Hook
-from llama_train.model import count_params, document_ids, flops_per_token
-from llama_train.optim import lr_at, param_groups
+from llama_train.model import count_params, flops_per_token
+from llama_train.optim import param_groups
+from llama_train.records import RUN_INFO_FILE, RunInfo
 from llama_train.recovery import Recovery
+from llama_train.resume import ResumeCheck, log_changes
+from llama_train.sample import generate_sample
 from llama_train.tracking import Tracker
+from llama_train.train_module import BatchResult, TrainModule
 
 log = logging.getLogger("llama_train")
 
@@ -71,14 +75,12 @@ class TrainState:
 
 @dataclass
 class StepOutput:
-    loss: float
-    lr: float
-    result: eng.StepResult
+    """One optimizer step as the loop sees it: the batch's result, timed and judged."""
+
+    batch: BatchResult
     seconds: float
-    data_wait_s: float
-    verdict: Optional[str]
-    stop_requested: bool
-    window_end: int
+    verdict: Optional[str]  # Recovery's: skipped_step, spike, nonfinite_applied, or None
+    window_end: int  # the stream's position after the step (global samples)
 
 
 class Interval:
@@ -98,7 +100,7 @@ class Interval:
 
     def add(self, out: "StepOutput") -> None:
         self.step_s.append(out.seconds)
-        self.wait_s += out.data_wait_s
+        self.wait_s += out.batch.data_wait_s
 
     def take(self, tokens: int) -> Dict[str, float]:
         wall = time.perf_counter() - self.t0
@@ -127,29 +129,53 @@ class StopSignals:
         return 128 + (self.received[0] if self.received else signal.SIGTERM)
 
 
+def start(pre, hooks: Sequence[Hook] = ()) -> "Trainer":
+    """Set the job up after preflight (``pre``, a :class:`llama_train.preflight.Preflight`):
+    the process group, the checkpoint to continue (verified by rank 0; an old history set aside
+    if ``trainer.on_existing`` says so), judged by :mod:`llama_train.resume` if it is not the one
+    preflight judged, converted for a new world size if needed; then the Trainer."""
+    cfg, t, rt = pre.cfg, pre.cfg.trainer, pre.rt
+    hooks = [FaultInjector(pre.faults or FaultPlan(), rt.rank), *hooks]
+    eng.init_distributed(cfg.comm, rt.device_type)
+    log.info("process group up: %d ranks over %s", rt.world_size, dist.get_backend())
+    ckpts = CheckpointManager(t.output_dir, t.keep_last, t.verify_checksums, rt.rank,
+                              rt.world_size, hooks)
+    run_files = (*(() if cfg.tracking.wandb.dir else ("wandb",)),  # default <output_dir>/wandb
+                 *(() if cfg.tracking.tensorboard.dir else ("tensorboard",)))
+    resume_from = ckpts.resolve_resume(  # verified before unpickling
+        t.resume, t.on_existing, cfg.tracking.metrics_file, run_files)
+    resume = pre.resume_check(resume_from)
+    if resume is not None:
+        if rt.is_main:
+            log_changes(resume)
+        if resume.universal:
+            prepare_universal(resume.checkpoint, rt.rank)
+    return Trainer(pre, ckpts, resume, hooks)
+
+
 class Trainer:
-    def __init__(self, pre, hooks: Sequence[Hook] = ()):
-        """Build: process group, resume point, model, engine, data, tracking. ``pre`` is the
-        :class:`llama_train.train.Preflight` (config checked, data prepared)."""
+    def __init__(self, pre, ckpts: CheckpointManager, resume: Optional[ResumeCheck],
+                 hooks: Sequence[Hook] = ()):
+        """Build: model, engine, data, tracking, on a process group that is up, to continue
+        ``resume`` (None: from step 0). ``pre`` is the :class:`llama_train.preflight.Preflight`
+        (config checked, data prepared); :func:`start` makes the rest."""
         self.cfg, self.rt, self.plan, self.prepared = pre.cfg, pre.rt, pre.plan, pre.prepared
-        self.command = getattr(pre, "command", None)  # for run_info.json
+        self.command = pre.command  # for run_info.json
         self.model_args = pre.model_args
         cfg, t, rt = self.cfg, pre.cfg.trainer, pre.rt
-        faults = FaultInjector.from_env(rt.rank)
-        self.hooks: List[Hook] = [faults, *hooks]
-        eng.init_distributed(cfg.comm, rt.device_type)
-        log.info("process group up: %d ranks over %s", rt.world_size, dist.get_backend())
+        self.hooks: List[Hook] = list(hooks)
+        self.ckpts = ckpts
+        self.resume_from = resume.checkpoint if resume is not None else None
+        self.config_changes: Dict[str, List[Any]] = resume.changes if resume is not None else {}
+        self.universal = resume is not None and resume.universal
+        self.run_config = pre.run_config()
         torch.manual_seed(t.seed)
-        self.ckpts = CheckpointManager(t.output_dir, t.keep_last, t.verify_checksums, rt.rank,
-                                       rt.world_size, faults)
-        run_files = (*(() if cfg.tracking.wandb.dir else ("wandb",)),  # default <output_dir>/wandb
-                     *(() if cfg.tracking.tensorboard.dir else ("tensorboard",)))
-        self.resume_from = self.ckpts.resolve_resume(  # verified before unpickling
-            t.resume, t.on_existing, cfg.tracking.metrics_file, run_files)
-        self.run_config = to_container(OmegaConf.structured(cfg))
-        self.config_changes: Dict[str, List[Any]] = {}
-        self.universal = self._check_resume_point()
         self.engine = self._build_engine()
+        self.eos_id = int(self.prepared.meta["tokenizer"]["eos_id"])  # documents end with it
+        self.module = TrainModule(self.engine, self.plan, rt.device, cfg.optim, t.max_steps,
+                                  vocab_size=self.model_args.vocab_size, eos_id=self.eos_id,
+                                  document_mask=t.document_mask, data_dir=self.prepared.dir,
+                                  hooks=self.hooks)
         self.loader = TrainLoader(self.prepared.dir, seq_len=t.seq_len,
                                   global_batch=self.plan.global_batch,
                                   micro_batch=self.plan.micro_batch, dp_rank=rt.rank,
@@ -161,41 +187,28 @@ class Trainer:
         self.recovery = Recovery(cfg.recovery, self.state, self.tracker)
         self.fpt = flops_per_token(self.model_args, t.seq_len)
         precision = eng.resolve_precision(cfg.deepspeed, rt.device_type)
-        self.peak = eng.PeakFlops(rt.device, precision, rt.world_size, t.peak_flops)
+        self.peak = PeakFlops(rt.device, precision, rt.world_size, t.peak_flops)
         self._said_mfu = False
         self.losses: Dict[int, float] = {}
         self.val_loss: Optional[float] = None
         # data.val_fraction=0: no validation split, so no evaluation (said once at start)
         self.has_val = self.prepared.meta["splits"].get("val", {}).get("tokens", 0) > 0
-        self.eos_id = int(self.prepared.meta["tokenizer"]["eos_id"])  # documents end with it
         self.source_epochs = self.loader.mixture_epochs()  # data.mixture: noted as they change
         self._log_start(precision)
 
-    def _check_resume_point(self) -> bool:
-        """The checkpoint must continue this run: the same run-defining config (or changes the
-        user allowed), global batch and tokenizer. True when it must be loaded through
-        DeepSpeed's universal format (another world size). Every rank reads the same files and
-        raises the same error, before anything is written."""
-        if self.resume_from is None:
-            return False
-        saved = read_state(self.resume_from)
-        self.config_changes = check_config_changes(
-            self.resume_from, saved, self.run_config, self.plan.global_batch,
-            self.prepared.meta["tokenizer"].get("sha256"), self.cfg.trainer.allow_config_change,
-            say=self.rt.is_main)
-        if saved["world_size"] != self.rt.world_size and saved["zero_stage"] > 0:
-            prepare_universal(self.resume_from, self.rt.rank)
-            return True
-        return False
-
     def _build_engine(self) -> eng.Engine:
-        t = self.cfg.trainer
+        """The model (``trainer.init_from``'s weights on a fresh start), wrapped by DeepSpeed."""
+        from llama_train.hf import check_init_from, read_init_from
+
+        t, zero = self.cfg.trainer, self.cfg.deepspeed.zero_stage
         ds_config = eng.build_ds_config(self.cfg.deepspeed, self.cfg.optim, self.plan,
                                         self.rt.device_type, universal=self.universal,
                                         model_dim=self.model_args.dim)
         model = eng.build_model(self.model_args, ds_config, self.rt.device, t.seed)
         if t.init_from and self.resume_from is None:
-            load_initial_weights(model, self.model_args, t.init_from, self.cfg.deepspeed.zero_stage)
+            check_init_from(t.init_from, self.model_args)
+            eng.load_full_state(model, read_init_from(t.init_from, with_weights=True)[1], zero)
+            log.info("initialised weights from %s", t.init_from)
         if t.compile:
             for block in model.layers:
                 block.compile()  # in place: parameter names stay those of the plain model
@@ -244,7 +257,7 @@ class Trainer:
                     last_saved = s.step
                     self.interval.reset(s.tokens)
                     continue
-                self.losses[s.step] = out.loss
+                self.losses[s.step] = out.batch.loss
                 self.interval.add(out)
                 metrics = self.log_step(out)
                 self._note_source_epochs()
@@ -252,12 +265,12 @@ class Trainer:
                     self.evaluate()
                 run_done = (t.steps_this_run is not None
                             and s.step - first_step >= t.steps_this_run)
-                if (s.step % t.save_every == 0 or s.step == t.max_steps or out.stop_requested
+                if (s.step % t.save_every == 0 or s.step == t.max_steps or out.batch.stop_requested
                         or run_done):
                     self.last_good, last_saved = self.save(), s.step
                 for h in self.hooks:
                     h.on_step_end(s.step, metrics)
-                if out.stop_requested:
+                if out.batch.stop_requested:
                     log.warning("signal %s: saved step %d, exiting",
                                 stop.received or "(other rank)", s.step)
                     self.close()
@@ -278,9 +291,9 @@ class Trainer:
                 "sample": sample, "skipped_steps": s.skipped_steps, "rollbacks": s.rollbacks}
 
     def train_step(self, stop: Optional[StopSignals] = None) -> StepOutput:
-        """One optimizer step over ``grad_accum`` micro-batches of this rank's slice of the
-        next global batch."""
-        s, p, cfg = self.state, self.plan, self.cfg
+        """One optimizer step over this rank's slice of the next global batch, timed and
+        judged."""
+        s, p = self.state, self.plan
         skip_to = self.recovery.skip_bad_windows(self.loader.consumed_samples, s.step + 1)
         if skip_to is not None:  # data that caused a rollback is never read again
             self.loader.skip_samples(skip_to - self.loader.consumed_samples)
@@ -288,36 +301,14 @@ class Trainer:
         window_start = self.loader.consumed_samples
         batch_no = window_start // p.global_batch + 1  # this step's global batch in the stream
         t0 = time.perf_counter()
-        lr = lr_at(s.step + 1, lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps,
-                   max_steps=cfg.trainer.max_steps, min_lr_ratio=cfg.optim.min_lr_ratio)
-        self.engine.set_lr(lr)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        data_wait = 0.0
-        for micro in range(p.grad_accum):
-            t_data = time.perf_counter()
-            x, y = next(self.data_iter)  # x, y: (micro_batch, seq_len) token ids
-            data_wait += time.perf_counter() - t_data
-            _check_token_ids(x, y, self.model_args.vocab_size, self.prepared.dir, window_start)
-            x = x.to(self.rt.device, non_blocking=True)
-            y = y.to(self.rt.device, non_blocking=True)
-            _, loss = self.engine(x, y, **self._masking(x))
-            for h in self.hooks:
-                loss = h.on_loss(batch_no, loss)
-            self.engine.backward(loss)
-            loss_sum += loss.detach().double().cpu()
-            if micro < p.grad_accum - 1:
-                self.engine.micro_step()
-        loss, nonfinite, stop_requested = self._all_ranks(loss_sum, stop)
-        result = self.engine.step(nonfinite)
+        batch = self.module.train_batch(self.data_iter, s.step + 1, batch_no, window_start,
+                                        stop_received=bool(stop is not None and stop.received))
         s.step += 1
         s.tokens += p.tokens_per_step
-        if self.rt.device_type == "cuda":
-            torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        verdict = self.recovery.judge(s.step, loss, result.applied, result.nonfinite,
-                                      window_start, batch_no)
-        return StepOutput(loss, lr, result, seconds, data_wait, verdict, stop_requested,
-                          self.loader.consumed_samples)
+        verdict = self.recovery.judge(s.step, batch.loss, batch.result.applied,
+                                      batch.result.nonfinite, window_start, batch_no)
+        return StepOutput(batch, seconds, verdict, self.loader.consumed_samples)
 
     def _note_source_epochs(self) -> None:
         """data.mixture: a source that ran out starts its next epoch (its own reshuffle); say
@@ -333,36 +324,19 @@ class Trainer:
                 self.tracker.event(self.state.step, "source_epoch", source=name, epoch=epoch)
         self.source_epochs = now
 
-    def _masking(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """trainer.document_mask: the forward's ``doc_ids`` (B, T), documents ending at EOS."""
-        if not self.cfg.trainer.document_mask:
-            return {}
-        return {"doc_ids": document_ids(x, self.eos_id)}
-
-    def _all_ranks(self, loss_sum: torch.Tensor, stop: Optional[StopSignals]):
-        """One small all-reduce per step: the mean loss (NaN if any rank saw a non-finite one),
-        whether any rank did, and whether any rank was asked to stop."""
-        finite = bool(torch.isfinite(loss_sum))
-        stats = torch.tensor([loss_sum.item() if finite else 0.0, 0.0 if finite else 1.0,
-                              1.0 if stop is not None and stop.received else 0.0],
-                             dtype=torch.float64).to(self.rt.device)
-        dist.all_reduce(stats)
-        total, bad, stopping = stats.cpu().tolist()
-        n = self.plan.grad_accum * self.rt.world_size
-        return (float("nan") if bad > 0 else total / n), bad > 0, stopping > 0
-
     # -- around the step -----------------------------------------------------------------------
     def log_step(self, out: StepOutput) -> Dict[str, Any]:
         t, s = self.cfg.trainer, self.state
         if not (s.step % t.log_every == 0 or s.step == t.max_steps or s.step == 1
                 or out.verdict is not None):
             return {}
-        grad_norm = out.result.grad_norm
+        b = out.batch
+        grad_norm = b.result.grad_norm
         speed = self.interval.take(s.tokens)
         mfu = self.peak.mfu(self.fpt * speed["tokens_per_s"])
-        metrics = {"loss": out.loss, "lr": out.lr, "grad_norm": grad_norm, "tokens": s.tokens,
+        metrics = {"loss": b.loss, "lr": b.lr, "grad_norm": grad_norm, "tokens": s.tokens,
                    **speed, "mfu": mfu, "skipped_steps": s.skipped_steps,
-                   **eng.memory_stats(self.rt.device)}
+                   **memory_stats(self.rt.device)}
         mixture = self.loader.mixture_tokens()
         if mixture is not None:  # data.mixture: cumulative tokens per source
             metrics["mixture_tokens"] = mixture
@@ -374,7 +348,7 @@ class Trainer:
                         self.peak.value, self.peak.source)
         if self.rt.is_main and self.cfg.tracking.console:
             log.info("step %5d/%d | loss %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | mfu %.1f%% | "
-                     "%d steps in %.1fs (median %.2fs)", s.step, t.max_steps, out.loss, out.lr,
+                     "%d steps in %.1fs (median %.2fs)", s.step, t.max_steps, b.loss, b.lr,
                      grad_norm if grad_norm is not None else float("nan"),
                      speed["tokens_per_s"], 100 * mfu, speed["interval_steps"],
                      speed["interval_s"], speed["step_time_s"])
@@ -395,9 +369,7 @@ class Trainer:
         with torch.no_grad(), watchdog.phase("eval"):
             for i, (_, _, batches) in enumerate(sets):
                 for x, y in batches:
-                    x = x.to(rt.device)
-                    _, loss = self.engine(x, y.to(rt.device), **self._masking(x))  # token mean
-                    n = int((y != -100).sum())
+                    loss, n = self.module.eval_loss(x, y)  # token mean, target tokens
                     if n:
                         total[i] += torch.tensor([loss.double().item() * n, n],
                                                  dtype=torch.float64)
@@ -481,7 +453,7 @@ class Trainer:
     def finish(self) -> str:
         """A text sample, the final run_info.json, then close."""
         sample = generate_sample(self.engine, self.cfg.sample, self.cfg.trainer.seed,
-                                 self.prepared.tokenizer_path, self.rt)
+                                 self.prepared.tokenizer_path, self.rt.device, self.rt.is_main)
         if self.rt.is_main:
             log.info("sample: %r", sample)
             (Path(self.cfg.trainer.output_dir) / "sample.txt").write_text(sample + "\n")
@@ -495,173 +467,17 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()  # the group itself is destroyed in main(), after every multirun job
 
-    def write_run_info(self, **extra) -> None:
-        cfg, p, n = self.cfg, self.plan, count_params(self.model_args)
+    def write_run_info(self, final_val_loss: Optional[float] = None,
+                       final_step: Optional[int] = None) -> None:
+        """run_info.json (:class:`llama_train.records.RunInfo`): at start, and at the end with
+        the final step and val_loss."""
+        cfg, p = self.cfg, self.plan
         steps = cfg.trainer.max_steps
-        info = {"params": n, "model_args": asdict(self.model_args),
-                "flop_budget": cfg.scaling.flops if cfg.scaling.mode != "none" else None,
-                "tokens": steps * p.tokens_per_step, "global_batch": p.global_batch,
-                "seq_len": p.seq_len, "max_steps": steps, "flops_per_token": self.fpt,
-                "flops": self.fpt * steps * p.tokens_per_step,
-                "peak_flops": {"value": self.peak.value, "source": self.peak.source},
-                "command": self.command, **extra}
-        (Path(cfg.trainer.output_dir) / "run_info.json").write_text(json.dumps(info, indent=1))
-
-
-# ------------------------------------------------------------------------------------------------
-# Checks and helpers the trainer uses
-
-
-def _check_token_ids(x, y, vocab_size: int, prepared_dir: str, window_start: int) -> None:
-    """Token ids outside the vocabulary (a shard changed on disk after prepare) would index
-    past the embedding: refuse them before the forward pass."""
-    lo, hi = int(x.min()), int(x.max())
-    bad_y = bool(((y >= vocab_size) | ((y < 0) & (y != -100))).any())
-    if lo < 0 or hi >= vocab_size or bad_y:
-        raise DataError(
-            f"token ids outside [0, model.vocab_size={vocab_size}) in the global batch starting "
-            f"at sample {window_start} of {prepared_dir} (min {lo}, max {hi}): the shards are "
-            f"corrupt or from another tokenizer. Check them with data.verify=true, or delete "
-            f"{prepared_dir} and prepare again."
-        )
-
-
-def check_config_changes(ckpt: Path, saved_state: Dict[str, Any], run_config: Dict[str, Any],
-                         global_batch: int, tokenizer_sha: Optional[str],
-                         allowed: Sequence[str], say: bool = False) -> Dict[str, List[Any]]:
-    """Compare the checkpoint's config with this run's (llama_train.config.config_changes).
-    Run-defining changes not in ``allowed`` refuse the resume with all of them listed; a changed
-    global batch, model shape or tokenizer always does (the data order, weights or token ids
-    would not continue). ``tokenizer_sha``: the sha256 of the tokenizer that encoded this run's
-    data, None where it is not known yet (preflight, before data preparation). Reads files
-    only, so preflight runs it before the data and the process group. Returns the changes
-    that go ahead ({key: [old, new]}), logged when ``say``."""
-    from llama_train.config import config_changes
-
-    cfg_file = Path(ckpt) / "config.yaml"
-    saved_cfg = to_container(OmegaConf.load(cfg_file)) if cfg_file.is_file() else {}
-    defining, safe = config_changes(saved_cfg, run_config)
-    hard = []
-    if saved_state["global_batch"] != global_batch:
-        hard.append(("global batch (sequences per step, as resolved)",
-                     saved_state["global_batch"], global_batch))
-    theirs = Path(ckpt) / "tokenizer.model"
-    if theirs.is_file() and tokenizer_sha and file_sha256(theirs) != tokenizer_sha:
-        hard.append(("tokenizer sha256 (of the data)", file_sha256(theirs)[:12],
-                     tokenizer_sha[:12]))
-    shape = _shape_change(saved_cfg.get("model"), run_config["model"])
-    if shape:  # no allow_config_change can load these weights
-        hard.append(("model shape (the checkpoint's weights would not load)",
-                     ", ".join(f"{n}={old}" for n, old, _ in shape),
-                     ", ".join(f"{n}={new}" for n, _, new in shape)))
-        defining = [c for c in defining if c[0] not in SHAPE_KEYS]  # listed once, above
-    allowed = [a.strip() for a in allowed]
-    refused = [c for c in defining if not any(c[0] == a or c[0].startswith(a + ".")
-                                              for a in allowed)]
-    if refused or hard:
-        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in [*hard, *refused])
-        fix = []
-        if refused:
-            keys = ",".join(k for k, _, _ in refused)
-            fix.append(f"to change them on purpose add trainer.allow_config_change=[{keys}]")
-        if hard:
-            fix.append(f"a changed model shape, global batch or tokenizer cannot continue this "
-                       f"run: keep them (for the tokenizer, prepare the data with "
-                       f"data.tokenizer={theirs}); a new shape is a new run")
-        fix.append("or start a new trainer.output_dir (or trainer.resume=never with "
-                   "trainer.on_existing=archive)")
-        raise ConfigError(f"checkpoint {ckpt} was trained with another run-defining config: "
-                          f"{listed}. Nothing was changed. {'; '.join(fix)}.")
-    go = {k: [old, new] for k, old, new in [*safe, *defining]}
-    if go and say:
-        log.warning("resuming %s with changed settings: %s", ckpt,
-                    "; ".join(f"{k}: {v[0]!r} -> {v[1]!r}{'' if (k, *v) in safe else ' (allowed)'}"
-                              for k, v in go.items()))
-    return go
-
-
-# The model keys that set weight shapes (ModelArgs.SHAPE_FIELDS as written in the config).
-SHAPE_KEYS = tuple(f"model.{k}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
-                                          "multiple_of", "ffn_dim_multiplier", "tie_embeddings"))
-
-
-def _shape_change(saved_model: Optional[dict], model: dict) -> list:
-    """[(field, checkpoint's, ours)] where the checkpoint's model has other weight shapes."""
-    from llama_train.model import ModelArgs
-
-    if not saved_model:
-        return []
-    try:
-        theirs = ModelArgs.from_dict(saved_model)
-    except (TypeError, ValueError):  # written by another version: the load itself will tell
-        return []
-    return [(n, old, new) for n, new, old in ModelArgs.from_dict(model).shape_differences(theirs)]
-
-
-def _read_init_from(path: str, with_weights: bool):
-    """(ModelArgs, state dict or None) of trainer.init_from: a Hugging Face Llama directory or a
-    llama-import file (memory-mapped: reading its shape costs no copy of the weights)."""
-    from llama_train.hf import from_hf_config, import_hf
-    from llama_train.model import ModelArgs
-
-    p = Path(path)
-    what = (f"trainer.init_from={path} is not weights we can start from: give a Hugging Face "
-            f"Llama directory (config.json + safetensors) or a .pt written by llama-import "
-            f"(a llama_train checkpoint directory: llama-export it first, or continue it with "
-            f"trainer.resume=<it>)")
-    try:
-        if p.is_dir():
-            if with_weights:
-                return import_hf(p)
-            if not (p / "config.json").is_file():
-                raise ValueError(f"{p / 'config.json'} does not exist")
-            return from_hf_config(json.loads((p / "config.json").read_text())), None
-        blob = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
-        if not isinstance(blob, dict) or not {"model_args", "model"} <= set(blob):
-            raise ValueError(f"it holds {type(blob).__name__} "
-                             f"{sorted(blob)[:5] if isinstance(blob, dict) else ''}, not "
-                             f"{{'model_args', 'model'}}")
-        return ModelArgs(**blob["model_args"]), (blob["model"] if with_weights else None)
-    except Exception as e:  # noqa: BLE001 - whatever the reader says, the answer is the same
-        raise ConfigError(f"{what}. Reading it said: {str(e).strip().splitlines()[0][:300]}") \
-            from None
-
-
-def check_init_from(path: str, model_args) -> None:
-    """trainer.init_from must be readable weights of this model's shape: checked before the
-    process group starts."""
-    args, _ = _read_init_from(path, with_weights=False)
-    diff = model_args.shape_differences(args)
-    if diff:
-        raise ConfigError(
-            f"trainer.init_from={path} has "
-            + ", ".join(f"{n}={theirs}" for n, _, theirs in diff) + " but the model config has "
-            + ", ".join(f"{n}={ours}" for n, ours, _ in diff) + ": pick the matching model preset.")
-
-
-def load_initial_weights(model, model_args, path: str, zero_stage: int = 0) -> None:
-    """trainer.init_from: weights from a Hugging Face Llama directory or a llama-import file
-    (ZeRO-3: into the partitioned model, one gathered parameter at a time)."""
-    check_init_from(path, model_args)
-    _, sd = _read_init_from(path, with_weights=True)
-    eng.load_full_state(model, sd, zero_stage)
-    log.info("initialised weights from %s", path)
-
-
-def generate_sample(engine: eng.Engine, sample_cfg, seed: int, tokenizer_path: str, rt) -> str:
-    """Text from the trained model. Rank 0 generates; under ZeRO-3 every rank runs the same
-    decoding (same seed, same logits, so the same number of steps), and DeepSpeed gathers one
-    layer at a time as it does in training, never the whole model."""
-    tok = Tokenizer(tokenizer_path)
-    model = engine.module
-    model.eval()
-    prompt = tok.encode(sample_cfg.prompt, bos=False, eos=False)
-    gen = torch.Generator(device=rt.device).manual_seed(seed)
-    text = ""
-    if rt.is_main or engine.zero_stage == 3:
-        out = model.generate(torch.tensor([prompt], device=rt.device),
-                             max_new_tokens=sample_cfg.tokens, temperature=sample_cfg.temperature,
-                             top_k=sample_cfg.top_k, eos_id=tok.eos_id, generator=gen)
-        text = tok.decode(out[0].tolist())
-    model.train()
-    return text
+        RunInfo(params=count_params(self.model_args), model_args=asdict(self.model_args),
+                flop_budget=cfg.scaling.flops if cfg.scaling.mode != "none" else None,
+                tokens=steps * p.tokens_per_step, global_batch=p.global_batch,
+                seq_len=p.seq_len, max_steps=steps, flops_per_token=self.fpt,
+                flops=self.fpt * steps * p.tokens_per_step,
+                peak_flops={"value": self.peak.value, "source": self.peak.source},
+                command=self.command, final_val_loss=final_val_loss,
+                final_step=final_step).write(Path(cfg.trainer.output_dir) / RUN_INFO_FILE)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -17,6 +16,7 @@ from typing import Dict, List, Optional
 # the tests and the start-up bench, which times this run
 from llama_train.bench.startup import TINY  # noqa: F401 - re-exported for the tests
 from llama_train.proc import free_port, kill_session  # free_port: re-exported for the tests
+from llama_train.records import METRICS_FILE, RUN_INFO_FILE, Record, parse_line, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -121,19 +121,16 @@ def copy_at_step(src: Path, dst: Path, step: int) -> Path:
         if int(d.name.split("_")[1]) > step:
             shutil.rmtree(d)
     (ckpts / "latest").write_text(f"step_{step:08d}\n")
-    kept = [line for line in (dst / "metrics.jsonl").read_text().splitlines()
-            if json.loads(line).get("step", 0) <= step]
-    (dst / "metrics.jsonl").write_text("".join(f"{line}\n" for line in kept))
-    for name in ("sample.txt", "run_info.json"):
+    kept = [line for line in (dst / METRICS_FILE).read_text().splitlines()
+            if parse_line(line).step <= step]
+    (dst / METRICS_FILE).write_text("".join(f"{line}\n" for line in kept))
+    for name in ("sample.txt", RUN_INFO_FILE):
         (dst / name).unlink(missing_ok=True)
     return dst
 
 
-def metrics(out: Path) -> List[dict]:
-    rows = []
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        rows.append(json.loads(line))
-    return rows
+def metrics(out: Path) -> List[Record]:
+    return read_metrics(out / METRICS_FILE)
 
 
 def losses(out: Path) -> Dict[int, float]:
@@ -200,8 +197,8 @@ def cfg_for(out: Path, *overrides: str):
                                                         *overrides]))
 
 
-def rows(out: Path) -> List[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def rows(out: Path) -> List[Record]:
+    return read_metrics(out / METRICS_FILE)
 
 
 def step_rows(out: Path) -> Dict[int, dict]:

@@ -11,7 +11,6 @@ test_hang.py and test_integrity.py.
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from helpers import TINY, free_port, world_of_one
 from llama_train import train as train_mod
 from llama_train.model import ModelArgs
+from llama_train.records import read_metrics, step_records
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -229,8 +229,8 @@ def test_no_validation_split_means_no_evaluation(tmp_path, monkeypatch, capsys):
     code, text = llama_train([*TINY, f"trainer.output_dir={tmp_path}", "trainer.max_steps=2",
                            "data.val_fraction=0"], monkeypatch, capsys)
     assert code == 0, text[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r.step for r in step_records(records, "loss")] == [1, 2]
     assert not any("val_loss" in r for r in records)
     assert "no validation split, so there is no evaluation" in text
 
@@ -248,16 +248,14 @@ def test_multirun_jobs_get_their_own_directories(tmp_path, monkeypatch, capsys):
     for name, d in jobs.items():
         cfg = (d / "config.yaml").read_text()
         assert f"lr: {name.split('=')[1]}" in cfg or f"lr: {float(name.split('=')[1])}" in cfg
-        steps = [json.loads(line)["step"] for line in (d / "metrics.jsonl").read_text()
-                 .splitlines() if "loss" in json.loads(line)]
+        steps = [r.step for r in step_records(read_metrics(d / "metrics.jsonl"), "loss")]
         assert steps == [1, 2, 3], (name, steps)
     # the same sweep, longer: each job resumes its own checkpoint
     code, text = llama_train([a.replace("max_steps=3", "max_steps=4") for a in argv],
                              monkeypatch, capsys)
     assert code == 0, text[-3000:]
     for d in jobs.values():
-        steps = [json.loads(line)["step"] for line in (d / "metrics.jsonl").read_text()
-                 .splitlines() if "loss" in json.loads(line)]
+        steps = [r.step for r in step_records(read_metrics(d / "metrics.jsonl"), "loss")]
         assert steps == [1, 2, 3, 4], (d.name, steps)
 
 

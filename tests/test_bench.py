@@ -12,6 +12,7 @@ from llama_train.bench import memory as mem_bench
 from llama_train.bench import peaks
 from llama_train.bench import train as train_bench
 from llama_train.bench._memory_worker import classify
+from llama_train.records import read_metrics
 
 TINY = ["--preset", "tiny", "--seq-len", "64", "--micro-batch", "2", "--steps", "3", "--warmup",
         "1", "--rounds", "2", "--threads", "1", "--device", "cpu",
@@ -49,8 +50,8 @@ def test_train_bench_ab_report_is_consistent(tmp_path, capsys):
     assert "AdamW" in r["hf"]["optimizer"]
     assert set(r["loader_alone_s_per_batch"]) == {"workers=0"}
     # the runs really ran the configured steps (per-round files kept in --work-dir)
-    rows = [json.loads(l) for l in (tmp_path / "runs" / "ours-0" / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows if "step_time_s" in row] == [1, 2, 3, 4]
+    rows = read_metrics(tmp_path / "runs" / "ours-0" / "metrics.jsonl")
+    assert [row.step for row in rows if "step_time_s" in row] == [1, 2, 3, 4]
 
 
 def test_train_bench_rejects_bad_options(capsys):

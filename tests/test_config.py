@@ -16,7 +16,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from llama_train.config import ConfigError, load_config, resolve_batch
 from llama_train.optim import lr_at, param_groups
 from llama_train.paths import CONFIG_DIR
-from llama_train.train import preflight
+from llama_train.preflight import preflight
 
 from helpers import REPO, TINY
 

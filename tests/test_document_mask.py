@@ -286,8 +286,8 @@ def test_through_the_trainer_each_document_scores_as_alone(stage, tmp_path):
     that loss, and without the mask it differs."""
     from helpers import cfg_for, step_rows, world_of_one
     from llama_train.data import TrainLoader
-    from llama_train.train import preflight
-    from llama_train.trainer import Trainer
+    from llama_train.preflight import preflight
+    from llama_train.trainer import start
 
     import json
 
@@ -302,7 +302,7 @@ def test_through_the_trainer_each_document_scores_as_alone(stage, tmp_path):
                                 "trainer.max_steps=1", f"deepspeed.zero_stage={stage}",
                                 f"data.source={src}", "data.max_documents=null"))
         try:
-            tr = Trainer(pre)
+            tr = start(pre)
             p, eos = pre.plan, tr.eos_id
             assert p.grad_accum == 1
             x, y = next(iter(TrainLoader(pre.prepared.dir, pre.cfg.trainer.seq_len,

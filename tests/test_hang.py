@@ -17,7 +17,6 @@ phase cases).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -32,6 +31,7 @@ import pytest
 
 from helpers import (BIN, TINY, dump_stacks, free_port, launcher_cmd, spawn, tail, train,
                      wait_for)
+from llama_train.records import parse_line
 
 TIMEOUT_S = 10
 BUDGET_S = TIMEOUT_S + 30
@@ -87,10 +87,9 @@ def _last_step(out: Path) -> int:
         return 0
     steps = [0]
     for line in lines:
-        try:
-            steps.append(int(json.loads(line).get("step", 0)))
-        except (ValueError, TypeError):
-            continue  # a line being written
+        r = parse_line(line)  # None: a line being written
+        if r is not None:
+            steps.append(int(r.step))
     return max(steps)
 
 

@@ -146,7 +146,7 @@ def test_changed_run_config_is_refused_unless_allowed_and_safe_changes_are_logge
 
 
 def test_config_changes_classifies_keys():
-    from llama_train.config import config_changes
+    from llama_train.resume import config_changes
 
     old = {"model": {"dim": 64}, "optim": {"lr": 1.0}, "trainer": {"max_steps": 2, "seed": 1,
            "resume": "auto", "micro_batch": 2}, "deepspeed": {"zero_stage": 2,

@@ -487,7 +487,7 @@ BAD_DATA = ["truncated shard", "same-size corruption, data.verify=true", "corrup
 def test_bad_data_is_refused_before_the_process_group(case, bad_inputs, monkeypatch):
     import torch.distributed as dist
 
-    from llama_train.train import preflight
+    from llama_train.preflight import preflight
     from test_config import compose_cfg
 
     root, cases = bad_inputs
@@ -523,14 +523,14 @@ def test_out_of_range_token_ids_never_reach_the_model(prepared):
     import torch
 
     from llama_train.data import DataError, TrainLoader
-    from llama_train.trainer import _check_token_ids
+    from llama_train.train_module import check_token_ids
 
     cfg, prep = prepared
     x = torch.full((2, 64), 65535, dtype=torch.long)  # what a shard of 0xff bytes would give
     with pytest.raises(DataError, match=r"outside \[0, model.vocab_size=2048\).*data.verify=true"):
-        _check_token_ids(x, x, cfg.model.vocab_size, prep.dir, 0)
+        check_token_ids(x, x, cfg.model.vocab_size, prep.dir, 0)
     good = TrainLoader(prep.dir, seq_len=64, global_batch=G, micro_batch=2, num_workers=0)
-    _check_token_ids(*next(iter(good)), cfg.model.vocab_size, prep.dir, 0)  # no error
+    check_token_ids(*next(iter(good)), cfg.model.vocab_size, prep.dir, 0)  # no error
 
 
 def test_fault_spec_errors():

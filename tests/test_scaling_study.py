@@ -15,6 +15,7 @@ import pytest
 
 from helpers import REPO
 from llama_train.model import count_params
+from llama_train.records import RunInfo
 from llama_train.scaling.planners import shape_for_params, target_aspect_ratio
 from llama_train.scaling.study import BUDGETS, TOLERANCE, VOCAB, ladder, main, sizes_for
 
@@ -116,7 +117,7 @@ def test_a_committed_row_reruns_to_its_val_loss(tmp_path):
     subprocess.run([sys.executable, "-m", "llama_train.train", *cmd, f"trainer.output_dir={out}",
                     "tracking=disabled"], cwd=REPO, check=True, timeout=900,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    got = json.loads((out / "run_info.json").read_text())["final_val_loss"]
+    got = RunInfo.read(out / "run_info.json").final_val_loss
     assert abs(got / float(row["val_loss"]) - 1) < 0.01, (got, row["val_loss"], row["command"])
 
 

@@ -15,7 +15,8 @@ from llama_train.config import resolve_batch
 from llama_train.paths import CONFIG_DIR
 from llama_train.scaling import compute_optimal, inference_optimal
 from llama_train.config import load_config
-from llama_train.train import plan_experiment
+from llama_train.preflight import plan_experiment
+from llama_train.records import RunInfo
 
 
 def _cfg(overrides):
@@ -67,20 +68,20 @@ def test_isoflop_multirun_and_fit(tmp_path):
            f"hydra.sweep.dir={tmp_path / 'hydra'}"]
     run(cmd, tmp_path / "sweep.log", timeout=600)
     assert sorted(p.name for p in sweep.iterdir()) == ["C2e10-N1e6", "C2e10-N5e5"]
-    infos = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/run_info.json"))]
+    infos = [RunInfo.read(p) for p in sorted(sweep.glob("*/run_info.json"))]
     assert len(infos) == 2
-    assert all(i["final_val_loss"] and i["flop_budget"] == 2e10 for i in infos)
+    assert all(i.final_val_loss and i.flop_budget == 2e10 for i in infos)
     for i in infos:  # each point trains about C / (6 N) tokens
-        assert abs(i["tokens"] - 2e10 / (6 * i["params"]["total"])) / i["tokens"] < 0.2
+        assert abs(i.tokens - 2e10 / (6 * i.params["total"])) / i.tokens < 0.2
     # each point records its own command (its own scaling.params), to rerun it alone
     import re
     import shlex
 
     for i in infos:
-        c = i["command"]
+        c = i.command
         assert c.startswith("llama-train ") and "experiment=isoflop" in c, c
         assert len(re.findall(r"scaling\.params=", c)) == 1 and shlex.split(c)  # one value
-    assert sorted(float(re.search(r"scaling\.params=([0-9.e+]+)", i["command"]).group(1))
+    assert sorted(float(re.search(r"scaling\.params=([0-9.e+]+)", i.command).group(1))
                   for i in infos) == [5e5, 1e6]
     import subprocess
 

@@ -10,7 +10,6 @@ below any real bug (a wrong batch split or a missed gradient shows up at 1e-2 or
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 from helpers import (REPO, TINY, assert_losses_close, free_port, losses, metrics, run, spawn,
                      tail, train)
+from llama_train.records import RunInfo
 
 TOL = 2e-4
 pytestmark = pytest.mark.slow
@@ -63,8 +63,8 @@ def test_baseline_run_is_complete(baseline):
     assert [r["step"] for r in val] == [3, 6] and all(r["val_ppl"] > 1 for r in val)
     assert (baseline / "checkpoints" / "step_00000006" / "manifest.json").is_file()
     assert (baseline / "sample.txt").read_text().strip()
-    info = json.loads((baseline / "run_info.json").read_text())
-    assert info["params"]["total"] > 0 and info["final_val_loss"] == val[-1]["val_loss"]
+    info = RunInfo.read(baseline / "run_info.json")
+    assert info.params["total"] > 0 and info.final_val_loss == val[-1]["val_loss"]
     # only rank 0 writes metrics: one line per step, no duplicates
     assert len(steps) == len({r["step"] for r in steps})
 

@@ -1,9 +1,12 @@
 """One rank of ``llama-bench memory``: build, train a few steps, record this rank's peak memory.
 
 Run by the deepspeed launcher (``--module llama_train.bench._memory_worker``). The model is built
-the way ``llama-train`` builds it: ``engine.build_model`` (ZeRO-3: inside ``deepspeed.zero.Init``
-from the meta device; ZeRO-0/1/2: meta device, ``to_empty``, ``init_weights``), then
-``engine.build_ds_config`` + ``engine.initialize``.
+the way ``llama-train`` builds it: ``engine.build.build_model`` (ZeRO-3: inside
+``deepspeed.zero.Init`` from the meta device; ZeRO-0/1/2: meta device, ``to_empty``,
+``init_weights``), then ``engine.ds_config.build_ds_config`` + ``engine.build.initialize``. What
+is counted inside DeepSpeed's engine comes through :class:`llama_train.engine.Engine`'s methods
+for measurement tools (``memory_roots``, ``after_autograd``, ``persistent_params``,
+``gathered_numel``); this module never imports DeepSpeed.
 
 Peak memory, per phase (build, initialize, each step):
 
@@ -139,28 +142,29 @@ class StorageCounter:
 
 def count_engine_bytes(engine) -> Dict[str, Any]:
     """Per-category bytes this rank holds for the model and the optimizer, plus the largest
-    storages (path, bytes) so the categories can be checked by eye."""
+    storages (path, bytes) so the categories can be checked by eye. ``engine``: our
+    :class:`~llama_train.engine.Engine`."""
+    roots = engine.memory_roots()
+    module, optimizer = roots["module"], roots["optimizer"]
     c = StorageCounter()
     # Bucket buffers first: gradients copied into a bucket are views of it, and the bytes are
     # the bucket's (its size is reduce_bucket_size, whatever the model's size).
-    for k, v in vars(engine.optimizer).items():
+    for k, v in vars(optimizer).items():
         if "ipg" in k.lower() or "bucket" in k.lower():
             c.walk(v, f"optimizer.{k}", skip_params=True)  # buckets list the params they serve
-    for name, p in engine.module.named_parameters():
+    for name, p in module.named_parameters():
         c.tensor(p, f"module.{name}")
     # The tensors the inner torch optimizer updates, when they are not the module's own
     # parameters, are DeepSpeed's fp32 master partitions (ZeRO 1-3).
-    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    inner = getattr(optimizer, "optimizer", optimizer)
     for gi, group in enumerate(getattr(inner, "param_groups", [])):
         for pi, p in enumerate(group["params"]):
             c.tensor(p, f"master[{gi}][{pi}]")
-    c.walk(engine.optimizer, "optimizer")
+    c.walk(optimizer, "optimizer")
     top = sorted(c.found, key=lambda x: -x[1])[:12]
     # ZeRO-3: parameters gathered whole right now (not persistent ones), e.g. still in use
-    gathered = sum(p.data.numel() for p in engine.module.parameters()
-                   if hasattr(p, "ds_numel") and not getattr(p, "ds_persist", False))
     return {"bytes": c.totals(), "largest": [[p, n] for p, n in top],
-            "zero3_gathered_numel": gathered}
+            "zero3_gathered_numel": engine.gathered_numel()}
 
 
 def _parse(argv) -> argparse.Namespace:
@@ -174,7 +178,8 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--ds-zero", default="{}", help="JSON: keys set in zero_optimization "
-                    "after engine.build_ds_config (experiments with DeepSpeed's knobs)")
+                    "after engine.ds_config.build_ds_config (experiments with DeepSpeed's "
+                    "knobs)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None)
     return ap.parse_args(argv)
@@ -221,32 +226,21 @@ class PeakMeter:
 
 
 def _warm_up(offload: bool) -> None:
-    """Load the code every rank runs, before the idle baseline is read: DeepSpeed's ZeRO and
-    mixed-precision optimizer modules (and Muon, which ZeRO imports in initialize), torch._dynamo (torch imports it lazily on the first
-    nn.init or fused-AdamW call; inside ``deepspeed.zero.Init``, which patches tensor
-    constructors, that import fails with "Signature mismatch ... new_tensor", which bites with
-    offload where nothing imported it before), DeepSpeed's CPU Adam extension with offload, and
-    one AdamW step of a throwaway 2-layer model in plain torch (torch's CPU kernels and thread
-    pools). None of it depends on the model under test."""
-    import importlib
-
+    """Load the code every rank runs, before the idle baseline is read: torch._dynamo (torch
+    loads it lazily on the first nn.init or fused-AdamW call; inside ``deepspeed.zero.Init``,
+    which patches tensor constructors, that import fails with "Signature mismatch ...
+    new_tensor", which bites with offload where nothing imported it before), DeepSpeed's ZeRO and
+    mixed-precision optimizer modules and with offload its CPU Adam extension
+    (:func:`llama_train.engine.build.preload_deepspeed`), and one AdamW step of a throwaway
+    2-layer model in plain torch (torch's CPU kernels and thread pools). None of it depends on
+    the model under test."""
     import torch
     import torch._dynamo  # noqa: F401
 
-    for mod in ("deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.stage_1_and_2",
-                "deepspeed.runtime.bf16_optimizer", "deepspeed.runtime.fp16.unfused_optimizer",
-                "deepspeed.runtime.fp16.fused_optimizer", "deepspeed.runtime.zero.partition_parameters",
-                # imported (and its kernels compiled) by is_zero_supported_optimizer: ~43 MiB
-                "deepspeed.runtime.zero.muon.muon_optimizer"):
-        importlib.import_module(mod)
-    if offload:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        p = torch.nn.Parameter(torch.zeros(8))
-        p.grad = torch.zeros(8)
-        DeepSpeedCPUAdam([p]).step()
-
+    from llama_train import engine
     from llama_train.model import ModelArgs, Transformer
+
+    engine.preload_deepspeed(offload)
 
     net = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=16))
     opt = torch.optim.AdamW(net.parameters())
@@ -264,19 +258,11 @@ def _count_backward(engine, x, y) -> Dict[str, Any]:
     """One forward/backward counted twice: when autograd has finished but DeepSpeed has not yet
     reduced (ZeRO 0/1 hold every full gradient here), and after backward (ZeRO 2/3 hold their
     reduced partitions). Per category, the larger of the two is the peak."""
-    ds = engine.ds
     snaps: List[Dict[str, Any]] = []
-    epilogue = ds._backward_epilogue
-
-    def counted_epilogue(*a, **kw):
-        snaps.append(count_engine_bytes(ds))
-        return epilogue(*a, **kw)
-
-    ds._backward_epilogue = counted_epilogue
-    _, loss = engine(x, y)
-    engine.backward(loss)
-    ds._backward_epilogue = epilogue
-    snaps.append(count_engine_bytes(ds))
+    with engine.after_autograd(lambda: snaps.append(count_engine_bytes(engine))):
+        _, loss = engine(x, y)
+        engine.backward(loss)
+    snaps.append(count_engine_bytes(engine))
     return {"bytes": {c: max(s["bytes"][c] for s in snaps) for c in CATEGORIES},
             "largest": max(snaps, key=lambda s: sum(s["bytes"].values()))["largest"],
             "snapshots": [s["bytes"] for s in snaps],
@@ -332,7 +318,6 @@ def main(argv=None) -> None:
             engine.backward(loss)
         engine.step()  # AdamW state exists from the first step on
         meter.stop(f"step{step}")
-    persistent = [p for p in engine.ds.module.parameters() if getattr(p, "ds_persist", False)]
     result = {
         "rank": rt.rank, "world_size": rt.world_size, "stage": args.stage,
         "offload": args.offload, "precision": args.precision,
@@ -340,10 +325,9 @@ def main(argv=None) -> None:
         **meter.report(),
         **counted,
         "opt_state_bytes_engine_helper": engine.opt_state_bytes(),
-        "zero3_persistent_params": {"count": len(persistent),
-                                    "numel": sum(p.ds_numel for p in persistent)},
+        "zero3_persistent_params": engine.persistent_params(),
         "ds_config_zero": ds_config["zero_optimization"],
-        "optimizer_class": type(engine.ds.optimizer).__name__,
+        "optimizer_class": type(engine.memory_roots()["optimizer"]).__name__,
         "rss_end": rss(),
     }
     out = Path(args.out)

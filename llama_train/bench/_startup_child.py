@@ -61,7 +61,10 @@ def dump(rank: int) -> None:
 
 
 def _wrap(owner, name: str, entered: str | None, left: str | None) -> None:
-    """Mark ``entered`` when ``owner.name`` is first called and ``left`` when that call returns."""
+    """Mark ``entered`` when ``owner.name`` is first called and ``left`` when that call returns.
+    The wrapper also replaces every other reference to the same function that a module of
+    llama_train holds (a package that re-exports it, a module that imported it by name), so the
+    marks do not depend on the path the caller takes to it."""
     fn = getattr(owner, name, None)
     if fn is None:
         return
@@ -79,14 +82,17 @@ def _wrap(owner, name: str, entered: str | None, left: str | None) -> None:
         return out
 
     setattr(owner, name, wrapper)
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.split(".")[0] == "llama_train":
+            for attr, value in list(getattr(mod, "__dict__", {}).items()):
+                if value is fn:
+                    setattr(mod, attr, wrapper)
 
 
 # -- probe: llama-train ------------------------------------------------------------------------
 
 def install_probe() -> None:
     """Import what llama-train imports and wrap its start-up functions."""
-    import importlib
-
     import llama_train.train as train_mod
     import llama_train.trainer  # noqa: F401
     mark("imports: llama_train.train, .trainer (torch, hydra, omegaconf, ...)")
@@ -98,25 +104,17 @@ def install_probe() -> None:
     _wrap(train_mod, "preflight", "sweep/job set-up", "preflight: lock, tokenizer/epoch checks")
     _wrap(data, "prepare_data", "preflight: runtime, validate, output dir checks",
           "data: find and check the prepared data")
-    real_init = engine.init_distributed
-
-    @functools.wraps(real_init)
-    def init_distributed(*args, **kwargs):
-        mark("trainer: fault plan, hooks")
-        import deepspeed
-
-        mark("import deepspeed")
-        # ``import deepspeed.comm.torch as m`` would give torch itself (an attribute of comm)
-        ds_torch = importlib.import_module("deepspeed.comm.torch")
-        _wrap(deepspeed, "init_distributed", "comm env",
+    # The process group's start, through the functions of llama_train/engine/distributed.py that
+    # import DeepSpeed and start its comm backend. A checkout from before that module (engine.py)
+    # gives its whole init_distributed as one phase after the entry mark.
+    dist_mod = sys.modules.get("llama_train.engine.distributed")
+    _wrap(engine, "init_distributed", "trainer: fault plan, hooks",
+          "start-up barriers, shm buffer unlink, watchdog" if dist_mod is not None else
+          "init_distributed, whole: DeepSpeed import, process group, watchdog")
+    if dist_mod is not None:
+        _wrap(dist_mod, "load_deepspeed", None, "import deepspeed")
+        _wrap(dist_mod, "_start_process_group", "comm env",
               "process group: init_process_group (gloo), DeepSpeed comm backend")
-        _wrap(ds_torch, "build_shm_op", "DeepSpeed comm backend set-up",
-              "DeepSpeed shm comm op: probe all op builders, JIT load/build")
-        out = real_init(*args, **kwargs)
-        mark("start-up barriers, shm buffer unlink, watchdog")
-        return out
-
-    engine.init_distributed = init_distributed
     # the first torch.optim object imports torch._dynamo (1-2 s); here that is the fused-AdamW
     # check in build_ds_config, else it would be the model's meta-device init or the optimizer
     _wrap(engine, "build_ds_config", "resume point, run config",

@@ -196,15 +196,16 @@ def run(args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
+    from llama_train import engine
     from llama_train.comm import CommConfig, ring_all_reduce
-    from llama_train.engine import init_distributed
 
     on_cuda = _cuda_wanted(args.device)
     device_type = "cuda" if on_cuda else "cpu"
     local_size = int(os.environ.get("LOCAL_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if not on_cuda and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_size)))
-    backend = init_distributed(CommConfig(backend=args.backend, nccl_algo=args.nccl_algo), device_type)
+    backend = engine.init_distributed(CommConfig(backend=args.backend, nccl_algo=args.nccl_algo),
+                                      device_type)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
     dtype = getattr(torch, args.dtype)
@@ -245,7 +246,6 @@ def run(args: argparse.Namespace) -> dict:
                          "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor})
         del src, bufs
 
-    import deepspeed
     n_nodes = int(os.environ.get("CROSS_SIZE", "1"))
     launcher = (["DS_ACCELERATOR=cpu"] if not on_cuda else []) + ["deepspeed"] + (
         ["--num_gpus", str(world)] if n_nodes == 1 else ["--hostfile", "<hostfile>"])
@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> dict:
         "world_size": world, "nodes": n_nodes, "backend": backend, "device": device_type,
         "dtype": args.dtype, "warmup": args.warmup, "iters": args.iters, "bus_factor": bus_factor,
         "nccl_algo": os.environ.get("NCCL_ALGO") if backend == "nccl" else None,
-        "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+        "torch": torch.__version__, "deepspeed": engine.deepspeed_version(),
         "cpu_threads_per_rank": torch.get_num_threads() if not on_cuda else None,
         "gpu": torch.cuda.get_device_name(device) if on_cuda else None,
         "host": platform.node(), "cpu": platform.processor() or platform.machine(),

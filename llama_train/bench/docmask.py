@@ -140,8 +140,6 @@ def _sync(device: torch.device) -> None:
 
 
 def make_report(args: argparse.Namespace) -> Dict[str, Any]:
-    from llama_train.model import ModelArgs, Transformer, document_ids, document_mask
-
     if args.device == "cpu" and args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -149,112 +147,7 @@ def make_report(args: argparse.Namespace) -> Dict[str, Any]:
     gen = torch.Generator().manual_seed(args.seed)
     load_start = list(os.getloadavg())
     loads: List[float] = []
-    results: List[Dict[str, Any]] = []
-    for dim, seq in args.shape_list:
-        n_heads = dim // args.head_dim
-        margs = ModelArgs(dim=dim, n_layers=args.n_layers, n_heads=n_heads,
-                          n_kv_heads=n_heads // args.kv_ratio, vocab_size=args.vocab,
-                          max_seq_len=seq)
-        model = Transformer(margs, device=device, seed=args.seed).to(dtype).train()
-        variants = ["causal"] + [f"mask/{d}" for d in args.docs_list]
-        batches = {"causal": packed_batch(args.micro_batch, seq, 1, args.vocab, gen)}
-        for d in args.docs_list:
-            batches[f"mask/{d}"] = packed_batch(args.micro_batch, seq, d, args.vocab, gen)
-        batches = {k: v.to(device) for k, v in batches.items()}
-        times: Dict[str, List[float]] = {v: [] for v in variants}
-        peaks: Dict[str, int] = {}
-
-        def step(v: str) -> float:
-            x = batches[v]
-            y = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
-            model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            _sync(device)
-            t0 = time.perf_counter()
-            if v == "causal":
-                _, loss = model(x, y)
-            else:
-                _, loss = model(x, y, doc_ids=document_ids(x, EOS))
-            loss.backward()
-            _sync(device)
-            dt = time.perf_counter() - t0
-            if device.type == "cuda":
-                peaks[v] = max(peaks.get(v, 0), torch.cuda.max_memory_allocated(device))
-            return dt
-
-        for _ in range(args.warmup):
-            for v in variants:
-                step(v)
-        for r in range(args.rounds):
-            k = r % len(variants)
-            loads.append(os.getloadavg()[0])
-            for v in variants[k:] + variants[:k]:
-                times[v].append(step(v))
-        # One attention layer alone (projections, RoPE, SDPA; the mask prebuilt), same rounds:
-        # the part of the step the mask changes, with less of the rest's noise.
-        attn = model.layers[0].attention
-        cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
-        xa = torch.randn(args.micro_batch, seq, dim, generator=gen).to(device, dtype)
-        ga = torch.randn_like(xa)
-        masks = {v: document_mask(document_ids(batches[v], EOS), dtype=dtype) for v in variants[1:]}
-        attn_times: Dict[str, List[float]] = {v: [] for v in variants}
-
-        def attn_step(v: str) -> float:
-            x = xa.detach().requires_grad_()
-            attn.zero_grad(set_to_none=True)
-            _sync(device)
-            t0 = time.perf_counter()
-            out = attn(x, cos, sin) if v == "causal" else attn(x, cos, sin, None, 0, masks[v])
-            out.backward(ga)
-            _sync(device)
-            return time.perf_counter() - t0
-
-        for r in range(args.warmup + args.rounds):
-            k = r % len(variants)
-            for v in variants[k:] + variants[:k]:
-                dt = attn_step(v)
-                if r >= args.warmup:
-                    attn_times[v].append(dt)
-        del masks
-        # the mask alone: ids + dense mask, as the forward builds it
-        build_ms: Dict[str, float] = {}
-        for v in variants[1:]:
-            x, samples = batches[v], []
-            for _ in range(max(3, args.rounds)):
-                _sync(device)
-                t0 = time.perf_counter()
-                document_mask(document_ids(x, EOS), dtype=dtype)
-                _sync(device)
-                samples.append(time.perf_counter() - t0)
-            build_ms[v] = 1e3 * statistics.median(samples)
-        tokens = args.micro_batch * seq
-        rows = []
-        for v in variants:
-            med = statistics.median(times[v])
-            row: Dict[str, Any] = {
-                "variant": v, "median_ms": 1e3 * med, "min_ms": 1e3 * min(times[v]),
-                "max_ms": 1e3 * max(times[v]), "tokens_per_s": tokens / med,
-                "runs_ms": [1e3 * t for t in times[v]],
-                "attn_median_ms": 1e3 * statistics.median(attn_times[v]),
-                "attn_runs_ms": [1e3 * t for t in attn_times[v]]}
-            if v != "causal":
-                ratios = [a / c for a, c in zip(times[v], times["causal"])]
-                attn_ratios = [a / c for a, c in zip(attn_times[v], attn_times["causal"])]
-                row.update(attn_ratio_paired=statistics.median(attn_ratios))
-                ids = document_ids(batches[v].cpu(), EOS)
-                row.update(ratio_paired=statistics.median(ratios), ratios=ratios,
-                           attended=attended_share(ids),
-                           docs_mean=float((ids.max(1).values + 1).double().mean()),
-                           mask_build_ms=build_ms[v],
-                           mask_mib=args.micro_batch * seq * seq * dtype.itemsize / 2**20)
-            if v in peaks:
-                row["peak_mib"] = peaks[v] / 2**20
-            rows.append(row)
-        results.append({"dim": dim, "seq_len": seq, "n_heads": n_heads,
-                        "n_kv_heads": margs.kv_heads, "rows": rows})
-        del model, batches
-
+    results = [_one_shape(args, dim, seq, device, dtype, gen, loads) for dim, seq in args.shape_list]
     machine = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                "python": platform.python_version(), "torch": torch.__version__,
                "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -274,6 +167,136 @@ def make_report(args: argparse.Namespace) -> Dict[str, Any]:
                          "vocab": args.vocab, "rounds": args.rounds, "warmup": args.warmup,
                          "device": args.device, "dtype": args.dtype, "seed": args.seed},
             "results": results}
+
+
+def _rounds(args: argparse.Namespace, variants: List[str], step, loads: List[float]) -> Dict[str, List[float]]:
+    """``args.warmup`` untimed rounds, then ``args.rounds`` timed ones, every variant once per
+    round in an order rotated by one each timed round; the 1-min load average noted per round."""
+    for _ in range(args.warmup):
+        for v in variants:
+            step(v)
+    times: Dict[str, List[float]] = {v: [] for v in variants}
+    for r in range(args.rounds):
+        k = r % len(variants)
+        loads.append(os.getloadavg()[0])
+        for v in variants[k:] + variants[:k]:
+            times[v].append(step(v))
+    return times
+
+
+def _one_shape(args: argparse.Namespace, dim: int, seq: int, device: torch.device, dtype: torch.dtype,
+               gen: torch.Generator, loads: List[float]) -> Dict[str, Any]:
+    """Every variant at one (dim, seq_len): the whole step, one attention layer, the mask alone."""
+    from llama_train.model import ModelArgs, Transformer, document_ids
+
+    n_heads = dim // args.head_dim
+    margs = ModelArgs(dim=dim, n_layers=args.n_layers, n_heads=n_heads,
+                      n_kv_heads=n_heads // args.kv_ratio, vocab_size=args.vocab, max_seq_len=seq)
+    model = Transformer(margs, device=device, seed=args.seed).to(dtype).train()
+    variants = ["causal"] + [f"mask/{d}" for d in args.docs_list]
+    batches = {"causal": packed_batch(args.micro_batch, seq, 1, args.vocab, gen)}
+    for d in args.docs_list:
+        batches[f"mask/{d}"] = packed_batch(args.micro_batch, seq, d, args.vocab, gen)
+    batches = {k: v.to(device) for k, v in batches.items()}
+    peaks: Dict[str, int] = {}
+
+    def step(v: str) -> float:
+        x = batches[v]
+        y = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        if v == "causal":
+            _, loss = model(x, y)
+        else:
+            _, loss = model(x, y, doc_ids=document_ids(x, EOS))
+        loss.backward()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if device.type == "cuda":
+            peaks[v] = max(peaks.get(v, 0), torch.cuda.max_memory_allocated(device))
+        return dt
+
+    times = _rounds(args, variants, step, loads)
+    attn_times = _attention_times(args, model, batches, variants, device, dtype, gen)
+    build_ms = _mask_build_ms(args, batches, variants, device, dtype)
+    tokens = args.micro_batch * seq
+    rows = []
+    for v in variants:
+        med = statistics.median(times[v])
+        row: Dict[str, Any] = {
+            "variant": v, "median_ms": 1e3 * med, "min_ms": 1e3 * min(times[v]),
+            "max_ms": 1e3 * max(times[v]), "tokens_per_s": tokens / med,
+            "runs_ms": [1e3 * t for t in times[v]],
+            "attn_median_ms": 1e3 * statistics.median(attn_times[v]),
+            "attn_runs_ms": [1e3 * t for t in attn_times[v]]}
+        if v != "causal":
+            ratios = [a / c for a, c in zip(times[v], times["causal"])]
+            attn_ratios = [a / c for a, c in zip(attn_times[v], attn_times["causal"])]
+            row.update(attn_ratio_paired=statistics.median(attn_ratios))
+            ids = document_ids(batches[v].cpu(), EOS)
+            row.update(ratio_paired=statistics.median(ratios), ratios=ratios,
+                       attended=attended_share(ids),
+                       docs_mean=float((ids.max(1).values + 1).double().mean()),
+                       mask_build_ms=build_ms[v],
+                       mask_mib=args.micro_batch * seq * seq * dtype.itemsize / 2**20)
+        if v in peaks:
+            row["peak_mib"] = peaks[v] / 2**20
+        rows.append(row)
+    return {"dim": dim, "seq_len": seq, "n_heads": n_heads, "n_kv_heads": margs.kv_heads, "rows": rows}
+
+
+def _attention_times(args: argparse.Namespace, model, batches: Dict[str, torch.Tensor], variants: List[str],
+                     device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> Dict[str, List[float]]:
+    """One attention layer alone (projections, RoPE, SDPA; the mask prebuilt), same rounds: the
+    part of the step the mask changes, with less of the rest's noise."""
+    from llama_train.model import document_ids, document_mask
+
+    attn = model.layers[0].attention
+    seq = batches["causal"].size(1)
+    cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
+    xa = torch.randn(args.micro_batch, seq, model.args.dim, generator=gen).to(device, dtype)
+    ga = torch.randn_like(xa)
+    masks = {v: document_mask(document_ids(batches[v], EOS), dtype=dtype) for v in variants[1:]}
+
+    def attn_step(v: str) -> float:
+        x = xa.detach().requires_grad_()
+        attn.zero_grad(set_to_none=True)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = attn(x, cos, sin) if v == "causal" else attn(x, cos, sin, None, 0, masks[v])
+        out.backward(ga)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    times: Dict[str, List[float]] = {v: [] for v in variants}
+    for r in range(args.warmup + args.rounds):  # the warm-up rounds rotate too (unlike _rounds)
+        k = r % len(variants)
+        for v in variants[k:] + variants[:k]:
+            dt = attn_step(v)
+            if r >= args.warmup:
+                times[v].append(dt)
+    return times
+
+
+def _mask_build_ms(args: argparse.Namespace, batches: Dict[str, torch.Tensor], variants: List[str],
+                   device: torch.device, dtype: torch.dtype) -> Dict[str, float]:
+    """The mask alone: ids + dense mask, as the forward builds it (median ms per variant)."""
+    from llama_train.model import document_ids, document_mask
+
+    build_ms: Dict[str, float] = {}
+    for v in variants[1:]:
+        x, samples = batches[v], []
+        for _ in range(max(3, args.rounds)):
+            _sync(device)
+            t0 = time.perf_counter()
+            document_mask(document_ids(x, EOS), dtype=dtype)
+            _sync(device)
+            samples.append(time.perf_counter() - t0)
+        build_ms[v] = 1e3 * statistics.median(samples)
+    return build_ms
 
 
 def _forwarded(args: argparse.Namespace) -> List[str]:

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from llama_train.records import METRICS_FILE, read_metrics, step_records
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TINY = ["model=tiny", "data.max_documents=600", "data.num_proc=1", "trainer.seq_len=64",
@@ -56,8 +58,8 @@ def run(cmd: List[str], log: Path, env: Optional[Dict[str, str]] = None,
 
 
 def losses(out: Path) -> Dict[int, float]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if isinstance(r.get("loss"), float)}
+    """Each logged training step's loss (a non-finite one, written as a string, left out)."""
+    return {r.step: r["loss"] for r in step_records(read_metrics(out / METRICS_FILE), "loss")}
 
 
 def check_tiny(work: Path, dry: bool) -> dict:

@@ -7,8 +7,9 @@ the planner's prediction.
     llama-bench memory --from-json mem.json               # re-print (and re-predict) a saved sweep
 
 For each configuration and rank count the DeepSpeed launcher starts ``N`` ranks of
-``llama_train.bench._memory_worker``: the model is built by ``engine.build_model`` (the trainer's
-path), the engine by ``engine.initialize``, and a few steps run (micro-batch 1, short sequences).
+``llama_train.bench._memory_worker``: the model is built by ``llama_train.engine.build``'s
+``build_model`` (the trainer's path), the engine by its ``initialize``, and a few steps run
+(micro-batch 1, short sequences).
 Each rank records its peak resident memory per phase (build, initialize, each step) above its
 idle baseline (VmRSS after imports and the process group's start; on CUDA
 ``max_memory_allocated``); the table shows the max over ranks beside

@@ -45,6 +45,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from llama_train.bench import report_or_exit
 from llama_train.proc import free_port, kill_session, remove_ds_shm
+from llama_train.records import METRICS_FILE, iter_records
 
 # The tiny settings of the tests (tests/helpers.py TINY): a run that takes seconds.
 TINY = [
@@ -243,8 +244,7 @@ class Runner:
         if variant == "floor":
             end = marks["marks"][-1][1]
         else:
-            first = (run_dir / "out" / "metrics.jsonl").read_text().splitlines()[0]
-            end = json.loads(first)["time"]
+            end = next(iter_records(run_dir / "out" / METRICS_FILE)).time
         out = {"to_step1_s": end - t0, "to_exit_s": t_exit - t0, "cpu_s": cpu, "loadavg": load}
         if marks is not None:
             out["phases"] = phases_of(marks, t0)
@@ -293,6 +293,8 @@ def median_phases(runs: List[List[List[Any]]]) -> List[Dict[str, Any]]:
 def make_report(args: argparse.Namespace) -> Dict[str, Any]:
     import torch
 
+    from llama_train import engine
+
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="llama-bench-startup-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -340,14 +342,13 @@ def make_report(args: argparse.Namespace) -> Dict[str, Any]:
                                                                     for x in runs])
         commands = {str(n): {v: runner.shown(v, n) for v in variants} for n in args.nprocs_list}
         probe_cmds = {str(n): runner.shown("ours", n, probe=True) for n in args.nprocs_list}
-        import deepspeed
 
         return {
             "bench": "startup",
             "command": "llama-bench startup " + shlex.join(_forwarded(args)),
             "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                         "python": platform.python_version(), "torch": torch.__version__,
-                        "deepspeed": deepspeed.__version__, "loadavg_start": load_start,
+                        "deepspeed": engine.deepspeed_version(), "loadavg_start": load_start,
                         "loadavg_end": list(os.getloadavg()),
                         "loadavg_1min_median": _median([x[0] for x in runner.loadavg])},
             "settings": {"nprocs": args.nprocs_list, "rounds": args.rounds,
@@ -405,9 +406,13 @@ def format_table(r: Dict[str, Any]) -> str:
         cols = [v for v in ph if not v.endswith("(probe run total)") and v != "floor"]
         if not cols:
             continue
-        labels: List[str] = []
+        labels: List[str] = []  # a phase only one variant has goes after the one before it there
         for v in cols:
-            labels += [p["phase"] for p in ph[v] if p["phase"] not in labels]
+            prev = -1
+            for p in ph[v]:
+                if p["phase"] not in labels:
+                    labels.insert(prev + 1, p["phase"])
+                prev = labels.index(p["phase"])
         lines += ["", f"phases, {n} rank(s), rank 0 (median s of {r['settings']['phase_rounds']} "
                       f"probe runs):",
                   f"  {'phase':<72} " + " ".join(f"{v:>13}" for v in cols)]

@@ -49,6 +49,7 @@ from llama_train.bench.report import build_report, format_table
 from llama_train.bench.settings import (compose_config, resolve_device, resolve_precision,
                                         train_overrides)
 from llama_train.proc import free_port, remove_ds_shm
+from llama_train.records import METRICS_FILE, read_metrics, step_records
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,9 +163,7 @@ def hf_cmd(spec: dict, out: Path) -> List[str]:
 def read_ours(args, out: Path, wall: float) -> dict:
     """Per-step times and data waits of a `llama-train` run from its metrics.jsonl, warm-up
     steps dropped (the lock-step turns are outside ``step_time_s``)."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
-    by_step = {r["step"]: r for r in rows if "step_time_s" in r}
+    by_step = {r.step: r for r in step_records(read_metrics(out / METRICS_FILE)) if "step_time_s" in r}
     total = args.warmup + args.steps
     missing = [s for s in range(1, total + 1) if s not in by_step]
     if missing:

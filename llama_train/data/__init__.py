@@ -20,7 +20,7 @@ _EXPORTS = {
     "train_tokenizer": ".tokenizer",
     "prepare_data": ".prepare",
     "find_prepared": ".prepare",
-    "PreparedData": ".prepare",
+    "PreparedData": ".meta",
     "PackedTokens": ".packed",
     "read_meta": ".meta",
     "check_compatible": ".meta",
@@ -37,9 +37,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from .corpus import builtin_corpus
     from .errors import DataError
     from .loader import TrainLoader, eval_set, eval_sets
-    from .meta import check_compatible, read_meta
+    from .meta import PreparedData, check_compatible, read_meta
     from .packed import PackedTokens
-    from .prepare import PreparedData, find_prepared, prepare_data
+    from .prepare import find_prepared, prepare_data
     from .tokenizer import Tokenizer, train_tokenizer
 
 

@@ -1,15 +1,83 @@
-"""DataConfig: the `data` group of the Hydra config (configs/data/*.yaml)."""
+"""DataConfig: the `data` group of the Hydra config (configs/data/*.yaml), and the entries of
+``data.mixture`` (MixtureEntry) with their checks. Imports nothing else of the data package but
+its errors: every other module of it reads this one."""
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional, Sequence
 
 from .errors import DataError
-from .mixture import MixtureEntry, as_entries, check_entries
+from llama_train.policy import may_change
 
 DTYPES = ("auto", "uint16", "uint32")
 SAMPLE_BY = ("document", "paragraph", "line")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a mixture entry's name
+
+
+@dataclass
+class MixtureEntry:
+    """One source of ``data.mixture``: a name (metric keys, directory names), any source
+    ``data.source`` accepts, and a weight (relative; 0 = evaluated, never trained on)."""
+
+    name: str = ""
+    source: str = ""
+    weight: float = 1.0
+    text_column: Optional[str] = None  # None: data.text_column
+    hub_config: Optional[str] = None  # None: data.hub_config
+    split: Optional[str] = None  # None: data.split
+
+
+def check_entries(entries: Sequence[MixtureEntry]) -> None:
+    """Refuse a mixture that cannot be trained on, naming the entry (before any data is read)."""
+    seen = {}
+    for i, e in enumerate(entries):
+        where = f"data.mixture[{i}]" + (f" ({e.name})" if e.name else "")
+        if not e.name or not _NAME.match(str(e.name)):
+            raise DataError(f"{where}: name={e.name!r} must be a non-empty name of letters, "
+                            f"digits, '_', '.' or '-' (it names the val_loss/<name> metric and "
+                            f"the source's directory)")
+        if e.name in seen:
+            raise DataError(f"{where}: name {e.name!r} is also data.mixture[{seen[e.name]}]'s: "
+                            f"give every source its own name")
+        seen[e.name] = i
+        if not e.source:
+            raise DataError(f"{where}: source is empty: set it to 'builtin', a hub dataset name "
+                            f"or a local file, directory or glob")
+        try:
+            w = float(e.weight)
+        except (TypeError, ValueError):
+            w = float("nan")
+        if not math.isfinite(w) or w < 0:
+            raise DataError(f"{where}: weight={e.weight!r} must be a finite number >= 0 "
+                            f"(weights are relative: 3 and 1 draw 75% and 25% of the windows)")
+    if entries and sum(float(e.weight) for e in entries) <= 0:
+        raise DataError(f"data.mixture: all {len(entries)} weights are 0: give at least one "
+                        f"source a weight > 0")
+
+
+def as_entries(items: Any) -> List[MixtureEntry]:
+    """data.mixture as given (dicts from YAML or the command line, or entries) -> entries."""
+    out = []
+    for i, item in enumerate(items or []):
+        if isinstance(item, MixtureEntry):
+            out.append(item)
+            continue
+        if not isinstance(item, dict):
+            from omegaconf import DictConfig, OmegaConf
+
+            if not isinstance(item, DictConfig):
+                raise DataError(f"data.mixture[{i}]={item!r} must be a mapping "
+                                f"{{name: ..., source: ..., weight: ...}}")
+            item = OmegaConf.to_container(item, resolve=True)
+        unknown = sorted(set(item) - set(MixtureEntry.__dataclass_fields__))
+        if unknown:
+            raise DataError(f"data.mixture[{i}]: unknown key(s) {unknown}; valid keys: "
+                            f"{sorted(MixtureEntry.__dataclass_fields__)}")
+        out.append(MixtureEntry(**item))
+    return out
 
 
 @dataclass
@@ -21,7 +89,7 @@ class DataConfig:
     directory name; the rest (num_proc, shard_tokens, num_workers, ...) only change speed/layout.
     """
 
-    name: Optional[str] = None
+    name: Optional[str] = may_change(None)
     """Prefix of the prepared directory name under the cache: `<name>-<settings hash>`. None:
     from the source (`builtin`, `local` for files, the hub dataset's name), so `llama-data` and
     `llama-train` name the same data the same way."""
@@ -38,35 +106,35 @@ class DataConfig:
     split: str = "train"
     """Hub split to read. Local files are always read whole (the builders call it `train`)."""
     text_column: str = "text"
-    streaming: bool = False
+    streaming: bool = may_change(False)
     """Stream the source instead of materializing it in the HF cache (large hub datasets)."""
     text_sample_by: str = "document"
     """For .txt files: one document per `document` (file), `paragraph` or `line`."""
-    tokenizer: Optional[str] = None
+    tokenizer: Optional[str] = may_change(None)
     """Path to a SentencePiece .model. None: train one of the model's vocab size on the source
     and store it with the shards (prepared_dir/tokenizer.model)."""
-    tokenizer_max_sentences: int = 1_000_000
+    tokenizer_max_sentences: int = may_change(1_000_000)
     """Cap on the lines used to train a tokenizer (speed)."""
-    prepared_dir: Optional[str] = None
+    prepared_dir: Optional[str] = may_change(None)
     """None: `llama_train.paths.cache_dir()/<name>-<hash>`."""
     val_fraction: float = 0.01
     """Fraction of documents held out for validation (every 1/f-th non-empty document)."""
     add_bos: bool = False
     """Prepend BOS to every document (EOS is always appended)."""
-    dtype: str = "auto"
+    dtype: str = may_change("auto")
     """Token file dtype: auto (uint16 if vocab <= 65535 else uint32), uint16 or uint32."""
-    num_proc: int = 0
+    num_proc: int = may_change(0)
     """Tokenization processes; 0 = auto (all cores, max 8; in-process for sources < 32 MB),
     1 = in-process."""
-    shard_tokens: int = 50_000_000
+    shard_tokens: int = may_change(50_000_000)
     """Tokens per shard file."""
-    num_workers: int = 1
+    num_workers: int = may_change(1)
     """Background DataLoader workers of the training loader (0 = in the main process)."""
     seed: int = 1234
     """Seed of the training-window shuffle and of tokenizer training."""
     max_documents: Optional[int] = None
     """Read at most this many documents of the source (quick experiments)."""
-    verify: bool = False
+    verify: bool = may_change(False)
     """prepare_data checks every shard's sha256 up front when it finds existing data (reads it
     all). Without it every block of a shard is still checked, lazily: its crc32, by each
     process that reads it, the first time it does, before any of its tokens is used

@@ -1,19 +1,82 @@
-"""meta.json of a prepared directory: reading it safely and checking it against a model."""
+"""meta.json of a prepared directory: the settings that identify it (token dtype, tokenizer),
+reading it safely, checking it against a model, and PreparedData, what preparing returns.
+Shared by prepare.py (one source) and mixture.py (several), which never import each other."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .errors import DataError
+from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .config import DataConfig
 
 META_FILE = "meta.json"
 TOKENIZER_FILE = "tokenizer.model"
 FORMAT = "llama_train.packed_tokens"
 VERSION = 1
 _REQUIRED = ("format", "version", "dtype", "vocab_size", "tokenizer", "splits", "fingerprint")
+UINT16_MAX_VOCAB = 65535
+# Bump when the tokenizer training recipe changes: part of the fingerprint of trained tokenizers.
+TOKENIZER_RECIPE = 1
+
+
+@dataclass
+class PreparedData:
+    """Result of prepare_data: where the shards are and what meta.json says."""
+
+    dir: str
+    tokenizer_path: str
+    meta: dict
+    created: bool = False
+    """True if this call wrote the directory, False if it found it already prepared."""
+
+
+def resolve_dtype(dtype: str, vocab_size: int) -> str:
+    """data.dtype with ``auto`` resolved: uint16 while the ids fit, else uint32."""
+    if dtype == "auto":
+        return "uint16" if vocab_size <= UINT16_MAX_VOCAB else "uint32"
+    if dtype == "uint16" and vocab_size > UINT16_MAX_VOCAB:
+        raise DataError(
+            f"data.dtype=uint16 cannot hold token ids of vocab_size={vocab_size} (max "
+            f"{UINT16_MAX_VOCAB}): set data.dtype=uint32 or auto"
+        )
+    if dtype not in ("uint16", "uint32"):
+        raise DataError(f"data.dtype={dtype!r} is not one of auto, uint16, uint32")
+    return dtype
+
+
+def tokenizer_settings(cfg: DataConfig, vocab_size: Optional[int]) -> tuple:
+    """(vocab_size, what identifies the tokenizer): data.tokenizer's sha256 (its size must be the
+    model's), or the recipe of the one to train, of the model's vocab_size. Part of the
+    fingerprint of prepared data and of mixtures."""
+    if cfg.tokenizer is not None:
+        tok = Tokenizer(cfg.tokenizer)
+        if vocab_size is not None and tok.vocab_size != vocab_size:
+            raise DataError(
+                f"data.tokenizer={cfg.tokenizer!r} has vocab_size={tok.vocab_size} but "
+                f"model.vocab_size={vocab_size}: set model.vocab_size={tok.vocab_size} or use "
+                "a tokenizer of the model's size"
+            )
+        vocab_size = tok.vocab_size
+        tok_settings: dict = {"sha256": tok.sha256, "vocab_size": vocab_size}
+    else:
+        if vocab_size is None:
+            raise DataError(
+                "no data.tokenizer given and no vocab_size to train one with: pass the model's "
+                "vocab_size (llama-data prepare --vocab-size N) or set data.tokenizer"
+            )
+        tok_settings = {
+            "train_vocab_size": int(vocab_size),
+            "max_sentences": cfg.tokenizer_max_sentences,
+            "recipe": TOKENIZER_RECIPE,
+        }
+    return int(vocab_size), tok_settings
 
 
 def read_meta(prepared_dir: Union[str, os.PathLike]) -> dict:

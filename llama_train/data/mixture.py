@@ -8,6 +8,10 @@ Layout of a prepared mixture (``<cache>/mixture-<hash>/``):
     meta.json          format "llama_train.mixture": the entries, their weights and the prepared
                        directory of each source (ordinary prepared data, see prepare.py)
 
+prepare.prepare_data hands a mixture to :func:`prepare_mixture` together with itself, which
+prepares each source: this module never imports prepare.py (data.mixture's entries and their
+checks are config.py's).
+
 A source's shards depend only on the source and the tokenizer, so any mixture with the same
 tokenizer (``data.tokenizer``) reuses them.
 
@@ -26,89 +30,27 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
-import re
 import shutil
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import numpy as np
 
+from .config import DataConfig, MixtureEntry, as_entries, check_entries
 from .errors import DataError
+from .meta import PreparedData, resolve_dtype, tokenizer_settings
+from .sources import open_source
+from .tokenizer import train_tokenizer
 from llama_train.util import splitmix64
 
 log = logging.getLogger(__name__)
 
 MIXTURE_FORMAT = "llama_train.mixture"
 MIXTURE_VERSION = 1
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _WEIGHT_BITS = 24  # weights are quantized to integers summing to ~2**24 (exact integer stream)
-
-
-@dataclass
-class MixtureEntry:
-    """One source of ``data.mixture``: a name (metric keys, directory names), any source
-    ``data.source`` accepts, and a weight (relative; 0 = evaluated, never trained on)."""
-
-    name: str = ""
-    source: str = ""
-    weight: float = 1.0
-    text_column: Optional[str] = None  # None: data.text_column
-    hub_config: Optional[str] = None  # None: data.hub_config
-    split: Optional[str] = None  # None: data.split
-
-
-def check_entries(entries: Sequence[MixtureEntry]) -> None:
-    """Refuse a mixture that cannot be trained on, naming the entry (before any data is read)."""
-    seen = {}
-    for i, e in enumerate(entries):
-        where = f"data.mixture[{i}]" + (f" ({e.name})" if e.name else "")
-        if not e.name or not _NAME.match(str(e.name)):
-            raise DataError(f"{where}: name={e.name!r} must be a non-empty name of letters, "
-                            f"digits, '_', '.' or '-' (it names the val_loss/<name> metric and "
-                            f"the source's directory)")
-        if e.name in seen:
-            raise DataError(f"{where}: name {e.name!r} is also data.mixture[{seen[e.name]}]'s: "
-                            f"give every source its own name")
-        seen[e.name] = i
-        if not e.source:
-            raise DataError(f"{where}: source is empty: set it to 'builtin', a hub dataset name "
-                            f"or a local file, directory or glob")
-        try:
-            w = float(e.weight)
-        except (TypeError, ValueError):
-            w = float("nan")
-        if not math.isfinite(w) or w < 0:
-            raise DataError(f"{where}: weight={e.weight!r} must be a finite number >= 0 "
-                            f"(weights are relative: 3 and 1 draw 75% and 25% of the windows)")
-    if entries and sum(float(e.weight) for e in entries) <= 0:
-        raise DataError(f"data.mixture: all {len(entries)} weights are 0: give at least one "
-                        f"source a weight > 0")
-
-
-def as_entries(items: Any) -> List[MixtureEntry]:
-    """data.mixture as given (dicts from YAML or the command line, or entries) -> entries."""
-    out = []
-    for i, item in enumerate(items or []):
-        if isinstance(item, MixtureEntry):
-            out.append(item)
-            continue
-        if not isinstance(item, dict):
-            from omegaconf import DictConfig, OmegaConf
-
-            if not isinstance(item, DictConfig):
-                raise DataError(f"data.mixture[{i}]={item!r} must be a mapping "
-                                f"{{name: ..., source: ..., weight: ...}}")
-            item = OmegaConf.to_container(item, resolve=True)
-        unknown = sorted(set(item) - set(MixtureEntry.__dataclass_fields__))
-        if unknown:
-            raise DataError(f"data.mixture[{i}]: unknown key(s) {unknown}; valid keys: "
-                            f"{sorted(MixtureEntry.__dataclass_fields__)}")
-        out.append(MixtureEntry(**item))
-    return out
 
 
 # --- the stream -------------------------------------------------------------------------------
@@ -202,9 +144,6 @@ def _named(i: int, e: MixtureEntry, err: DataError) -> DataError:
 
 def _mixture_target(cfg, entries: List[MixtureEntry], vocab_size: Optional[int]):
     """(settings, fingerprint, directory, sources) of the mixture: decided before reading text."""
-    from .prepare import resolve_dtype, tokenizer_settings
-    from .sources import open_source
-
     sources = []
     for i, e in enumerate(entries):
         try:
@@ -236,8 +175,6 @@ def _mixture_target(cfg, entries: List[MixtureEntry], vocab_size: Optional[int])
 
 def find_prepared_mixture(cfg, vocab_size: Optional[int]):
     """The prepared mixture if it is complete, else None (reads meta.json files only)."""
-    from .prepare import PreparedData
-
     entries = as_entries(cfg.mixture)
     _, fingerprint, final, _, _ = _mixture_target(cfg, entries, vocab_size)
     meta = _complete(final, fingerprint)
@@ -257,12 +194,13 @@ def _complete(final: Path, fingerprint: str) -> Optional[dict]:
     return meta
 
 
-def prepare_mixture(cfg, vocab_size: Optional[int] = None):
-    """Prepare every source of ``cfg.mixture`` with one tokenizer, and the mixture's meta.json
+def prepare_mixture(cfg: DataConfig, vocab_size: Optional[int],
+                    prepare_source: Callable[[DataConfig, Optional[int]], PreparedData]
+                    ) -> PreparedData:
+    """Prepare every source of ``cfg.mixture`` with one tokenizer (each by ``prepare_source``,
+    i.e. prepare.prepare_data of the source's own config), and the mixture's meta.json
     (PreparedData whose ``dir`` the loaders read). Safe from every rank at once (a file lock)."""
     from filelock import FileLock
-
-    from .prepare import PreparedData, prepare_data
 
     entries = as_entries(cfg.mixture)
     check_entries(entries)
@@ -286,7 +224,7 @@ def prepare_mixture(cfg, vocab_size: Optional[int] = None):
         parts = []
         for i, e in enumerate(entries):
             try:
-                p = prepare_data(_entry_cfg(cfg, e, str(tok_path)), vocab_size=vocab_size)
+                p = prepare_source(_entry_cfg(cfg, e, str(tok_path)), vocab_size)
             except DataError as err:
                 raise _named(i, e, err) from None
             parts.append((e, p))
@@ -357,8 +295,6 @@ def weighted_texts(entries: Sequence[MixtureEntry], sources, max_lines: int) -> 
 
 
 def _train_mixture_tokenizer(cfg, entries, sources, vocab_size: int, out: Path) -> None:
-    from .tokenizer import train_tokenizer
-
     log.info("training a %d-piece tokenizer on the mixture (%s)", vocab_size,
              ", ".join(f"{e.name} {float(e.weight):g}" for e in entries))
     limit = cfg.tokenizer_max_sentences or 1_000_000

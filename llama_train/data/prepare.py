@@ -13,6 +13,9 @@ Safety: everything is written to a temp directory next to the target and renamed
 at the end, so a prepared directory either has a complete meta.json or does not exist.
 A file lock next to it makes concurrent callers (every rank of a job, several jobs on one
 machine) wait for the single process that prepares, then load its result.
+
+The tokens themselves are written by shards.py; a ``data.mixture`` is prepared by mixture.py,
+which gets this module's one-source preparation passed in (it never imports this module).
 """
 
 from __future__ import annotations
@@ -25,10 +28,6 @@ import shutil
 import sys
 import time
 import uuid
-import zlib
-from collections import deque
-from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,231 +35,19 @@ import numpy as np
 
 from .config import DataConfig
 from .errors import DataError
-from .meta import FORMAT, META_FILE, TOKENIZER_FILE, VERSION, read_meta
+from .meta import (FORMAT, META_FILE, TOKENIZER_FILE, VERSION, PreparedData, read_meta,
+                   resolve_dtype, tokenizer_settings)
+from .mixture import find_prepared_mixture, prepare_mixture
+from .shards import BLOCK_BYTES, ShardWriter, encode_into, num_processes
 from .sources import Source, open_source
 from .tokenizer import Tokenizer, train_tokenizer
 from llama_train.util import fsync_dir
 
 log = logging.getLogger(__name__)
-
-UINT16_MAX_VOCAB = 65535
-# Bump when the tokenizer training recipe changes: part of the fingerprint of trained tokenizers.
-TOKENIZER_RECIPE = 1
-SPLITS = ("train", "val")
-# Block checksums (see ShardWriter, PackedTokens): a crc32 per 256 KiB of every shard. A reader
-# checks a block on its first read, so this is the most a first read can cost on top of the
-# window (~0.1-0.2 ms) and at most 2x the kernel's 128 KiB read-around from disk; the checksums
-# are 1/65536 of the data (1.5 KB per 100 MB shard, 30 MB for 1T uint16 tokens).
-BLOCK_BYTES = 1 << 18
-
-
-@dataclass
-class PreparedData:
-    """Result of prepare_data: where the shards are and what meta.json says."""
-
-    dir: str
-    tokenizer_path: str
-    meta: dict
-    created: bool = False
-    """True if this call wrote the directory, False if it found it already prepared."""
-
-
-def resolve_dtype(dtype: str, vocab_size: int) -> str:
-    if dtype == "auto":
-        return "uint16" if vocab_size <= UINT16_MAX_VOCAB else "uint32"
-    if dtype == "uint16" and vocab_size > UINT16_MAX_VOCAB:
-        raise DataError(
-            f"data.dtype=uint16 cannot hold token ids of vocab_size={vocab_size} (max "
-            f"{UINT16_MAX_VOCAB}): set data.dtype=uint32 or auto"
-        )
-    if dtype not in ("uint16", "uint32"):
-        raise DataError(f"data.dtype={dtype!r} is not one of auto, uint16, uint32")
-    return dtype
-
-
-# Below this much text, starting worker processes costs more than it saves (measured: 4 MB).
-AUTO_PARALLEL_MIN_BYTES = 32 << 20
-
-
-def _num_proc(cfg: DataConfig, source: Source) -> int:
-    """cfg.num_proc, or for 0 (auto): all cores (max 8), except in-process for small sources."""
-    if cfg.num_proc:
-        return cfg.num_proc
-    size = source.approx_bytes()
-    if size is not None and size < AUTO_PARALLEL_MIN_BYTES:
-        return 1
-    return min(os.cpu_count() or 1, 8)
-
-
-def _is_val(j: int, frac: Fraction) -> bool:
-    """Document-level split: non-empty document j is held out iff ceil((j+1)f) > ceil(jf).
-
-    Exact integer arithmetic: picks ceil(N*f) documents evenly spread over the source (the first
-    one included), independent of batching, process count and streaming.
-    """
-    p, q = frac.numerator, frac.denominator
-    return -((-(j + 1) * p) // q) > -((-j * p) // q)
-
-
-# --- tokenization workers (also used in-process when num_proc == 1) ---------------------------
-_WORKER: dict[str, Any] = {}
-
-
-def _init_worker(model_path: str, add_bos: bool, dtype: str) -> None:
-    tok = Tokenizer(model_path)
-    _WORKER.update(tok=tok, add_bos=add_bos, dtype=np.dtype(dtype))
-
-
-def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
-    """Encode documents -> (flat ids with BOS?/EOS per doc, per-doc lengths, input bytes).
-
-    A document that encodes to no tokens gets length 0 and contributes nothing (not even EOS).
-    """
-    tok: Tokenizer = _WORKER["tok"]
-    ids = tok.sp.encode(texts)
-    pre = [tok.bos_id] if _WORKER["add_bos"] else []
-    eos = [tok.eos_id]
-    lengths = np.fromiter(
-        (len(x) + len(pre) + 1 if x else 0 for x in ids), dtype=np.int64, count=len(ids)
-    )
-    flat: list[int] = []
-    for x in ids:
-        if x:
-            flat += pre
-            flat += x
-            flat += eos
-    nbytes = sum(len(t.encode("utf-8")) for t in texts)
-    return np.array(flat, dtype=_WORKER["dtype"]), lengths, nbytes
-
-
-def _encoded_chunks(source: Source, model_path: str, add_bos: bool, dtype: str, num_proc: int):
-    """Yield _encode_chunk results in source order, `num_proc` processes, bounded memory."""
-    batches = source.iter_batches()
-    if num_proc <= 1:
-        _init_worker(model_path, add_bos, dtype)
-        for texts in batches:
-            yield _encode_chunk(texts), len(texts)
-        return
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-
-    # spawn, not fork: the caller may already run threads (torch, tqdm, HF) that fork would copy
-    # mid-lock; the workers import only numpy + sentencepiece.
-    try:
-        with ProcessPoolExecutor(
-            max_workers=num_proc,
-            mp_context=mp.get_context("spawn"),
-            initializer=_init_worker,
-            initargs=(model_path, add_bos, dtype),
-        ) as pool:
-            pending: deque = deque()
-            for texts in batches:
-                pending.append((pool.submit(_encode_chunk, texts), len(texts)))
-                if len(pending) >= 2 * num_proc:
-                    fut, n = pending.popleft()
-                    yield fut.result(), n
-            while pending:
-                fut, n = pending.popleft()
-                yield fut.result(), n
-    except BrokenProcessPool as e:
-        raise DataError(
-            f"a tokenization worker process died ({e}). Common causes: the main script has no "
-            "`if __name__ == '__main__':` guard (worker processes re-import it), or out of "
-            "memory. Set data.num_proc=1 to tokenize in-process"
-        ) from e
-
-
-class ShardWriter:
-    """Appends tokens of one split to `<split>-NNNNN.bin` files of at most `shard_tokens` each.
-
-    Beside each shard it writes `<split>-NNNNN.crc32`: the crc32 of every `block_bytes` block of
-    the shard (the last one may be shorter), uint32 little-endian, computed from the bytes as
-    they are written; meta.json gets its sha256, so a reader can trust it (PackedTokens).
-    """
-
-    def __init__(self, out_dir: Path, split: str, dtype: str, shard_tokens: int,
-                 block_bytes: int = 0):
-        self.out_dir, self.split, self.dtype = out_dir, split, np.dtype(dtype)
-        self.shard_tokens = shard_tokens
-        self.block_bytes = block_bytes or BLOCK_BYTES
-        if self.block_bytes % self.dtype.itemsize:
-            raise ValueError(f"block_bytes={self.block_bytes} is not a multiple of {self.dtype.itemsize}")
-        self.shards: list[dict] = []
-        self.documents = 0
-        self.crc_s = 0.0  # time spent on block checksums (meta.json timing_s)
-        self._f = None
-        self._sha = None
-        self._n = 0
-        self._crcs: list[int] = []
-        self._crc = 0  # running crc32 of the current block
-        self._in_block = 0  # bytes of the current block written so far
-        self._split_sha = hashlib.sha256()  # of the whole token stream: shard-layout independent
-
-    def _open(self) -> None:
-        name = f"{self.split}-{len(self.shards):05d}.bin"
-        self._f = open(self.out_dir / name, "wb")
-        self._sha = hashlib.sha256()
-        self._n = 0
-        self._crcs, self._crc, self._in_block = [], 0, 0
-        self.shards.append({"file": name})
-
-    def _close(self) -> None:
-        if self._f is None:
-            return
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        if self._in_block:
-            self._crcs.append(self._crc)
-        crc_name = self.shards[-1]["file"][: -len(".bin")] + ".crc32"
-        raw = np.array(self._crcs, dtype="<u4").tobytes()
-        with open(self.out_dir / crc_name, "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        self.shards[-1].update(tokens=self._n, bytes=self._n * self.dtype.itemsize, sha256=self._sha.hexdigest(),
-                               block_crc32={"file": crc_name, "sha256": hashlib.sha256(raw).hexdigest()})
-        self._f = None
-
-    def _blocks(self, buf: bytes) -> None:
-        """Fold `buf` (the next bytes of the shard) into the block checksums."""
-        t0 = time.perf_counter()
-        view, size = memoryview(buf), self.block_bytes
-        while view:
-            take = min(size - self._in_block, len(view))
-            self._crc = zlib.crc32(view[:take], self._crc)
-            self._in_block += take
-            view = view[take:]
-            if self._in_block == size:
-                self._crcs.append(self._crc)
-                self._crc, self._in_block = 0, 0
-        self.crc_s += time.perf_counter() - t0
-
-    def write(self, tokens: np.ndarray) -> None:
-        tokens = np.ascontiguousarray(tokens, dtype=self.dtype)
-        while tokens.size:
-            if self._f is None:
-                self._open()
-            take = min(self.shard_tokens - self._n, tokens.size)
-            buf = tokens[:take].tobytes()
-            self._f.write(buf)
-            self._sha.update(buf)
-            self._split_sha.update(buf)
-            self._blocks(buf)
-            self._n += take
-            tokens = tokens[take:]
-            if self._n >= self.shard_tokens:
-                self._close()
-
-    def finish(self) -> dict:
-        self._close()
-        return {
-            "documents": self.documents,
-            "tokens": sum(s["tokens"] for s in self.shards),
-            "sha256": self._split_sha.hexdigest(),
-            "shards": self.shards,
-        }
+# PreparedData, resolve_dtype, tokenizer_settings (meta.py) and ShardWriter (shards.py) were
+# defined here once: still importable from here
+__all__ = ["PreparedData", "find_prepared", "prepare_data", "resolve_dtype", "tokenizer_settings",
+           "BLOCK_BYTES", "ShardWriter"]
 
 
 # --- fingerprint / directory ----------------------------------------------------------------
@@ -354,34 +141,6 @@ def _result(d: Path, meta: dict, created: bool, verify: bool = False) -> Prepare
 
 
 # --- the entry point --------------------------------------------------------------------------
-def tokenizer_settings(cfg: DataConfig, vocab_size: Optional[int]) -> tuple:
-    """(vocab_size, what identifies the tokenizer): data.tokenizer's sha256 (its size must be the
-    model's), or the recipe of the one to train, of the model's vocab_size. Part of the
-    fingerprint of prepared data and of mixtures."""
-    if cfg.tokenizer is not None:
-        tok = Tokenizer(cfg.tokenizer)
-        if vocab_size is not None and tok.vocab_size != vocab_size:
-            raise DataError(
-                f"data.tokenizer={cfg.tokenizer!r} has vocab_size={tok.vocab_size} but "
-                f"model.vocab_size={vocab_size}: set model.vocab_size={tok.vocab_size} or use "
-                "a tokenizer of the model's size"
-            )
-        vocab_size = tok.vocab_size
-        tok_settings: dict = {"sha256": tok.sha256, "vocab_size": vocab_size}
-    else:
-        if vocab_size is None:
-            raise DataError(
-                "no data.tokenizer given and no vocab_size to train one with: pass the model's "
-                "vocab_size (llama-data prepare --vocab-size N) or set data.tokenizer"
-            )
-        tok_settings = {
-            "train_vocab_size": int(vocab_size),
-            "max_sentences": cfg.tokenizer_max_sentences,
-            "recipe": TOKENIZER_RECIPE,
-        }
-    return int(vocab_size), tok_settings
-
-
 def _target(cfg: DataConfig, vocab_size: Optional[int]) -> tuple:
     """(source, vocab_size, dtype, settings, fingerprint, directory) of the prepared data for
     ``cfg``: everything decided before reading any text."""
@@ -403,8 +162,6 @@ def find_prepared(cfg: Any, vocab_size: Optional[int] = None) -> Optional[Prepar
     cfg = DataConfig.from_any(cfg)
     cfg.validate()
     if cfg.mixture:
-        from .mixture import find_prepared_mixture
-
         return find_prepared_mixture(cfg, vocab_size)
     _, _, _, settings, fingerprint, final = _target(cfg, vocab_size)
     meta = _existing(final, settings, fingerprint) if (final / META_FILE).is_file() else None
@@ -431,9 +188,7 @@ def prepare_data(cfg: Any, vocab_size: Optional[int] = None) -> PreparedData:
     cfg = DataConfig.from_any(cfg)
     cfg.validate()
     if cfg.mixture:
-        from .mixture import prepare_mixture
-
-        return prepare_mixture(cfg, vocab_size)
+        return prepare_mixture(cfg, vocab_size, prepare_source=prepare_data)
     source, vocab_size, dtype, settings, fingerprint, final = _target(cfg, vocab_size)
 
     # Fast path, no lock: a complete directory (meta.json is written last, renamed atomically).
@@ -478,9 +233,10 @@ def _prepare_into(
     t0 = time.perf_counter()
     tok, trained = _tokenizer_into(out, cfg, source, vocab_size)
     t_tok = time.perf_counter() - t0
-    num_proc = _num_proc(cfg, source)
+    num_proc = num_processes(cfg, source)
     t1 = time.perf_counter()
-    splits, docs = _encode_into(out, cfg, source, dtype, num_proc)
+    # BLOCK_BYTES read here, at call time: tests set this module's to write small blocks
+    splits, docs = encode_into(out, cfg, source, dtype, num_proc, BLOCK_BYTES)
     t_enc = time.perf_counter() - t1
     _check_documents(cfg, docs, splits)
     meta = {
@@ -555,38 +311,6 @@ def _tokenizer_into(out: Path, cfg: DataConfig, source: Source, vocab_size: int)
     if tok.vocab_size != vocab_size:
         raise DataError(f"trained tokenizer has vocab_size={tok.vocab_size}, expected {vocab_size}")
     return tok, trained
-
-
-def _encode_into(out: Path, cfg: DataConfig, source: Source, dtype: str, num_proc: int):
-    """Tokenize every document into the train/val shards; (split summaries, document counts)."""
-    from tqdm.auto import tqdm
-
-    writers = {s: ShardWriter(out, s, dtype, cfg.shard_tokens, BLOCK_BYTES) for s in SPLITS}
-    frac = Fraction(str(cfg.val_fraction))
-    docs = {"read": 0, "empty": 0, "kept": 0, "bytes": 0}
-    bar = tqdm(total=source.num_documents(), unit="doc", desc=f"tokenizing {source.name}",
-               mininterval=1.0, dynamic_ncols=True)
-    try:
-        chunks = _encoded_chunks(source, str(out / TOKENIZER_FILE), cfg.add_bos, dtype, num_proc)
-        for (flat, lengths, nb), n in chunks:
-            docs["read"] += n
-            docs["bytes"] += nb
-            keep = lengths > 0
-            docs["empty"] += int((~keep).sum())
-            kept = lengths[keep]
-            is_val = np.fromiter((_is_val(docs["kept"] + j, frac) for j in range(kept.size)),
-                                 bool, kept.size)
-            docs["kept"] += kept.size
-            token_is_val = np.repeat(is_val, kept)
-            for split, mask in (("train", ~token_is_val), ("val", token_is_val)):
-                writers[split].write(flat[mask])
-            writers["val"].documents += int(is_val.sum())
-            writers["train"].documents += int((~is_val).sum())
-            bar.update(n)
-    finally:
-        bar.close()
-    crc_s = sum(w.crc_s for w in writers.values())
-    return {s: w.finish() for s, w in writers.items()}, {**docs, "crc_s": crc_s}
 
 
 def _check_documents(cfg: DataConfig, docs: dict, splits: dict) -> None:

@@ -129,6 +129,29 @@ def _training_sentences(texts: Iterable[str], max_sentences: int) -> Iterator[st
                 return
 
 
+# LLaMA's SentencePiece recipe: byte-fallback BPE, digits split, no normalization and no
+# whitespace collapsing (exact round trips). Part of the prepared-data fingerprint through
+# meta.TOKENIZER_RECIPE: bump that when changing anything here.
+_TRAINER_SETTINGS = dict(
+    model_type="bpe",
+    byte_fallback=True,
+    split_digits=True,
+    split_by_unicode_script=True,
+    split_by_whitespace=True,
+    character_coverage=0.99995,
+    allow_whitespace_only_pieces=True,
+    remove_extra_whitespaces=False,
+    normalization_rule_name="identity",
+    add_dummy_prefix=True,
+    unk_id=UNK_ID,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    pad_id=PAD_ID,
+    max_sentence_length=_MAX_SENTENCE_BYTES,
+    minloglevel=2,
+)
+
+
 def train_tokenizer(
     texts: Iterable[str],
     vocab_size: int,
@@ -174,45 +197,12 @@ def train_tokenizer(
     writer = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=sentences(),
-            model_writer=writer,
-            model_type="bpe",
-            vocab_size=vocab_size,
-            byte_fallback=True,
-            split_digits=True,
-            split_by_unicode_script=True,
-            split_by_whitespace=True,
-            character_coverage=0.99995,
-            allow_whitespace_only_pieces=True,
-            remove_extra_whitespaces=False,
-            normalization_rule_name="identity",
-            add_dummy_prefix=True,
-            unk_id=UNK_ID,
-            bos_id=BOS_ID,
-            eos_id=EOS_ID,
-            pad_id=PAD_ID,
-            max_sentence_length=_MAX_SENTENCE_BYTES,
-            num_threads=num_threads or os.cpu_count() or 1,
-            minloglevel=2,
-        )
+            sentence_iterator=sentences(), model_writer=writer, vocab_size=vocab_size,
+            num_threads=num_threads or os.cpu_count() or 1, **_TRAINER_SETTINGS)
     except RuntimeError as e:
         if source_error:
             raise source_error[0] from None
-        msg = str(e)
-        if counted["sentences"] == 0:
-            raise DataError("cannot train a tokenizer: the source has no non-empty text") from e
-        if "smaller than required_chars" in msg:
-            raise DataError(
-                f"vocab_size={vocab_size} is too small for this source: its characters plus the "
-                f"256 byte pieces and specials need more. Raise vocab_size. SentencePiece said: {msg}"
-            ) from e
-        if "Vocabulary size" in msg or "vocab_size" in msg:
-            raise DataError(
-                f"cannot train a tokenizer with vocab_size={vocab_size} on this source "
-                f"({counted['sentences']} lines): it has too few distinct pieces. Use a larger "
-                f"source or a smaller vocab_size. SentencePiece said: {msg}"
-            ) from e
-        raise DataError(f"SentencePiece training failed: {msg}") from e
+        raise _training_error(e, vocab_size, counted["sentences"]) from e
     path = prefix + ".model"
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -220,3 +210,22 @@ def train_tokenizer(
     os.replace(tmp, path)
     log.info("trained tokenizer %s (vocab %d) on %d lines", path, vocab_size, counted["sentences"])
     return path
+
+
+def _training_error(e: RuntimeError, vocab_size: int, sentences: int) -> DataError:
+    """SentencePiece's training failure, said in terms of the source and data.* settings."""
+    msg = str(e)
+    if sentences == 0:
+        return DataError("cannot train a tokenizer: the source has no non-empty text")
+    if "smaller than required_chars" in msg:
+        return DataError(
+            f"vocab_size={vocab_size} is too small for this source: its characters plus the "
+            f"256 byte pieces and specials need more. Raise vocab_size. SentencePiece said: {msg}"
+        )
+    if "Vocabulary size" in msg or "vocab_size" in msg:
+        return DataError(
+            f"cannot train a tokenizer with vocab_size={vocab_size} on this source "
+            f"({sentences} lines): it has too few distinct pieces. Use a larger "
+            f"source or a smaller vocab_size. SentencePiece said: {msg}"
+        )
+    return DataError(f"SentencePiece training failed: {msg}")

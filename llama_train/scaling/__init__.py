@@ -18,7 +18,7 @@ i.e. ``count_params(args)["total"]``.
 Modules: :mod:`.laws` (the loss law, published fits and frontiers, the inference-aware optimum),
 :mod:`.fit` (fitting our own sweeps), :mod:`.planners` (compute/inference-optimal, shapes,
 experiment plans), :mod:`.memory` (params, FLOPs, ZeRO and activation memory), :mod:`.cli`
-(``llama-plan``; not imported here). The IsoFLOP plot is :func:`llama_train.plot.plot_isoflops`.
+(``llama-plan``; not imported here). The IsoFLOP plot is :func:`llama_train.scaling.plots.plot_isoflops`.
 """
 
 from llama_train.scaling.fit import (FitResult, RunPoint, collect_runs, final_val_loss, fit_loss_law,

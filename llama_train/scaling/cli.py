@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
-from llama_train.plot import plot_isoflops
 from llama_train.scaling.laws import FITS, ScalingError
 from llama_train.scaling.memory import FIT_ORDER
 from llama_train.scaling.memory import _args_dict, deepspeed_estimate, fit_advice, model_info, rank_peak_memory
@@ -229,7 +228,9 @@ def _cmd_shape(ns: argparse.Namespace) -> Dict[str, Any]:
 
 def _fit_each(ns: argparse.Namespace, path: Path, conventions, repro: str):
     """analyse_runs for each parameter convention: (analyses, reports, extra outputs)."""
-    from llama_train.scaling.fit import analyse_runs, load_runs, write_runs_csv
+    from llama_train.scaling.fit import analyse_runs
+    from llama_train.scaling.plots import plot_isoflops
+    from llama_train.scaling.runs import load_runs, write_runs_csv
 
     analyses, reports, extra = {}, {}, {}
     for i, conv in enumerate(conventions):
@@ -252,6 +253,7 @@ def _fit_each(ns: argparse.Namespace, path: Path, conventions, repro: str):
         analyses[conv], reports[conv] = an, rep
     return analyses, reports, extra
 
+
 def _ci(v, fmt="{:.4g}"):
     return f"[{fmt.format(v[0])}, {fmt.format(v[1])}]" if v else "n/a"
 
@@ -271,7 +273,7 @@ def _boot_line(b, what):
 def _print_analysis(an, rep: Dict[str, Any], path: Path, conv: str, several: bool,
                     ns: argparse.Namespace) -> None:
     """One parameter convention's fits as tables (llama-plan fit without --json)."""
-    from llama_train.scaling.fit import FLAG_TEXT, REFUSALS
+    from llama_train.scaling.approach2 import FLAG_TEXT, REFUSALS
 
     a2, a3, law = an.approach2, an.approach3, an.approach3.law if an.approach3 else None
     if several:
@@ -375,26 +377,24 @@ def _cmd_fit(ns: argparse.Namespace) -> Dict[str, Any]:
     return res
 
 
-def build_parser() -> argparse.ArgumentParser:
-    fits = ", ".join(f"{k} ({v.source.split(',')[0]})" for k, v in FITS.items())
-    parser = argparse.ArgumentParser(
-        prog="llama-plan",
-        description="Scaling-law planner: compute-optimal and inference-optimal model sizes, model memory, shapes, fits.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+def _common(p: argparse.ArgumentParser, fit: Optional[str] = "chinchilla") -> None:
+    """--json, and --fit (the loss law) for the subcommands that use one."""
+    p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
+    if fit:
+        fits = ", ".join(f"{k} ({v.source.split(',')[0]})" for k, v in FITS.items())
+        p.add_argument("--fit", default=fit,
+                       help=f"loss-law constants (default {fit}): {fits}; or a YAML file with "
+                            f"E, A, B, alpha, beta")
 
-    def common(p: argparse.ArgumentParser, fit: Optional[str] = "chinchilla") -> None:
-        p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
-        if fit:
-            p.add_argument("--fit", default=fit,
-                           help=f"loss-law constants (default {fit}): {fits}; or a YAML file with "
-                                f"E, A, B, alpha, beta")
 
+def _add_compute_optimal(sub) -> None:
     p = sub.add_parser("compute-optimal", help="loss-optimal N, D for a training budget (Hoffmann et al. 2022)")
     p.add_argument("--flops", type=_float, required=True, help="training budget C in FLOPs (C = 6 N D)")
-    common(p)
+    _common(p)
     p.set_defaults(func=_cmd_compute_optimal)
 
+
+def _add_inference_optimal(sub) -> None:
     p = sub.add_parser("inference-optimal", help="lifetime-cost-optimal N, D at a fixed loss (Sardana et al. 2024)")
     p.add_argument("--flops", type=_float, help="target quality = the compute-optimal model of this budget")
     p.add_argument("--reference-params", type=_float, help="target quality = this model size ...")
@@ -402,9 +402,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", type=float, help="target quality as a predicted loss")
     p.add_argument("--inference-tokens", type=_float, required=True, help="lifetime inference tokens D_inf")
     # Sardana et al.'s own constants, so their worked figures come out without a flag
-    common(p, fit="sardana")
+    _common(p, fit="sardana")
     p.set_defaults(func=_cmd_inference_optimal)
 
+
+def _add_model_info(sub) -> None:
     p = sub.add_parser("model-info", help="params, FLOPs/token, ZeRO model-state and activation memory of a model")
     p.add_argument("--model", required=True, help="preset name (configs/model) or a model yaml path")
     p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
@@ -422,9 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory per rank: say whether the config fits and, if not, the cheapest change that does")
     p.add_argument("--ds-zero", action="append", default=[], metavar="KEY=N",
                    help="a DeepSpeed zero_optimization knob, e.g. stage3_max_reuse_distance=0 (repeatable)")
-    common(p, fit=False)
+    _common(p, fit=False)
     p.set_defaults(func=_cmd_model_info)
 
+
+def _add_shape(sub) -> None:
     p = sub.add_parser("shape", help="a LLaMA-shaped ModelArgs for a target parameter count")
     p.add_argument("--params", type=_float, required=True, help="target parameter count (e.g. 1.3e9 or 1.3B)")
     p.add_argument("--vocab", type=int, default=32000)
@@ -433,9 +437,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which count must hit the target (Chinchilla: total)")
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--tolerance", type=float, default=0.02, help="relative tolerance on the count")
-    common(p, fit=False)
+    _common(p, fit=False)
     p.set_defaults(func=_cmd_shape)
 
+
+def _add_fit(sub) -> None:
     p = sub.add_parser("fit", help="fit a sweep's final validation losses: IsoFLOP parabolas (Approach 2) and "
                                    "L(N,D) (Approach 3) with bootstrap intervals; IsoFLOP plot")
     p.add_argument("sweep_dir", metavar="PATH",
@@ -458,8 +464,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=None, metavar="K",
                    help="Approach 2: fit each budget's parabola to the runs within K sizes either side of "
                         "its best run (default: all runs; far from the minimum a curve is not a parabola in ln N)")
-    common(p, fit=False)
+    _common(p, fit=False)
     p.set_defaults(func=_cmd_fit)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """llama-plan's parser: one subcommand each, its flags beside it (_add_<subcommand>)."""
+    parser = argparse.ArgumentParser(
+        prog="llama-plan",
+        description="Scaling-law planner: compute-optimal and inference-optimal model sizes, model memory, shapes, fits.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_compute_optimal, _add_inference_optimal, _add_model_info, _add_shape, _add_fit):
+        add(sub)
     return parser
 
 

@@ -7,8 +7,9 @@ torch is imported lazily, inside the functions that build or count a model.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple, Union
 
 from llama_train.scaling.laws import ScalingError
 
@@ -299,9 +300,6 @@ def rank_peak_memory(
     together), ``device`` and ``host`` at the peak, ``peak_phase``, ``phases`` {name: bytes},
     ``breakdown`` {term: bytes} of the peak phase, ``unpartitioned`` (the terms of the peak that do
     not shrink with N), plus n_params and the settings."""
-    from llama_train.config import DeepSpeedConfig
-    from llama_train.model import Transformer, count_params
-
     args = _resolve_args(args)
     p = _check_dtype(dtype)
     _check_zero(zero_stage, world_size, offload_optimizer)
@@ -309,101 +307,173 @@ def rank_peak_memory(
         raise ScalingError("offload_params needs ZeRO stage 3 (parameter offload exists only there)")
     if device not in ("cpu", "cuda"):
         raise ScalingError(f"device={device!r}: 'cpu' or 'cuda'")
+    sizes = _zero_sizes(args, ds, zero_overrides)
+    acts = activation_memory(args, micro_batch, seq_len, dtype, activation_checkpointing, attention)["total"]
+    t = _rank_terms(args, p, world_size, sizes, acts, device == "cpu", offload_optimizer)
+    if zero_stage == 0:
+        phases, unpart = _zero0_phases(t)
+    elif zero_stage in (1, 2):
+        phases, unpart = _zero12_phases(t, zero_stage)
+    else:
+        phases, unpart = _zero3_phases(t)
+    peak = _peak_of(phases, unpart, offload_optimizer, offload_params)
+    return {
+        **peak,
+        "n_params": t.psi,
+        "bytes_per_param": peak["total"] / t.psi,
+        "zero_stage": zero_stage, "world_size": t.n, "dtype": dtype, "micro_batch": micro_batch,
+        "seq_len": acts and activation_memory(args, micro_batch, seq_len, dtype)["seq_len"],
+        "offload_optimizer": bool(offload_optimizer), "offload_params": bool(offload_params),
+        "device_kind": device,
+        "ds_buckets": sizes,
+    }
+
+
+@dataclass
+class _RankTerms:
+    """What the phases of :func:`rank_peak_memory` are written in (:data:`RANK_PEAK_MECHANISMS`):
+    Psi, N, p and g bytes/element, whether the rank is a CPU one, A, B (``bucket``: on CPU at most
+    Psi), Psi/N, the largest parameter, the persistent parameters' elements, the buckets."""
+
+    psi: int
+    n: int
+    p: int
+    g: int
+    cpu: bool
+    acts: float
+    bucket: int
+    part: float
+    largest: int
+    persistent: int
+    sizes: Dict[str, int]
+    offload_optimizer: bool
+
+
+def _zero_sizes(args: "ModelArgs", ds: Optional[Any],
+                zero_overrides: Optional[Dict[str, int]]) -> Dict[str, int]:
+    """DeepSpeed's bucket and ZeRO-3 sizes as our config gives them, with ``zero_overrides``."""
+    from llama_train.config import DeepSpeedConfig
+
     ds = ds if ds is not None else DeepSpeedConfig()
-    sizes = ds.zero_sizes(args.dim)  # what engine.build_ds_config gives DeepSpeed
+    sizes = ds.zero_sizes(args.dim)  # what engine.ds_config.build_ds_config gives DeepSpeed
     for key, value in (zero_overrides or {}).items():
         key = key if key in sizes else "stage3_" + key
         if key not in sizes:
             raise ScalingError(f"zero_overrides: unknown key {key!r}; known: {sorted(sizes)}")
         sizes[key] = int(value)
+    return sizes
+
+
+def _rank_terms(args: "ModelArgs", p: int, world_size: int, sizes: Dict[str, int], acts: float,
+                cpu: bool, offload_optimizer: bool) -> _RankTerms:
+    import torch
+
+    from llama_train.model import Transformer, count_params
+
+    psi = count_params(args)["total"]
+    bucket = min(sizes["reduce_bucket_size"], psi) if cpu else sizes["reduce_bucket_size"]
+    with torch.device("meta"):
+        shapes = [prm.numel() for prm in Transformer(args).parameters()]
+    persistent = sum(k for k in shapes if k <= sizes["stage3_param_persistence_threshold"])
+    # g: DeepSpeed's gradient buffers follow the model dtype (grad_accum_dtype unset)
+    return _RankTerms(psi=psi, n=world_size, p=p, g=p, cpu=cpu, acts=acts, bucket=bucket,
+                      part=psi / world_size, largest=max(shapes), persistent=persistent,
+                      sizes=sizes, offload_optimizer=offload_optimizer)
+
+
+Phases = Dict[str, Dict[str, float]]
+
+
+def _zero0_phases(t: _RankTerms) -> Tuple[Phases, Set[str]]:
+    psi, p, g, acts = t.psi, t.p, t.g, t.acts
+    phases: Phases = {}
+    # bf16/fp16: FP16_UnfusedOptimizer builds an fp32 master copy with fp32 grads and runs
+    # its first step in initialize (moments exist from there), beside the model and its grads
+    master = 8.0 * psi if p < 4 else 0.0
+    phases["build"] = {"fp32 model": 4.0 * psi}
+    phases["initialize"] = {"model": p * psi, "grads": g * psi, "fp32 master + grads": master,
+                            "moments": 8.0 * psi}
+    # backward writes the grads as it frees the activations: the larger of the two
+    phases["backward"] = {"model": p * psi, "fp32 master + grads": master, "moments": 8.0 * psi,
+                          "grads or activations": max(g * psi, acts)}
+    return phases, set(phases["backward"]) | set(phases["initialize"])
+
+
+def _zero12_phases(t: _RankTerms, zero_stage: int) -> Tuple[Phases, Set[str]]:
+    psi, n, p, g, acts, part, bucket = t.psi, t.n, t.p, t.g, t.acts, t.part, t.bucket
+    phases: Phases = {}
+    states = {"model (flat)": p * psi, "fp32 master": 4.0 * part, "moments": 8.0 * part}
+    phases["build"] = {"fp32 model": 4.0 * psi}
+    # flatten_dense_tensors_aligned copies the whole bf16 model (both alive), then the fp32
+    # master partition and initialize_optimizer_states' zero fp32 grad partition
+    init = {"model": p * psi, "flat copy": p * psi}
+    init2 = {"model (flat)": p * psi, "fp32 master": 4.0 * part, "fp32 grad partition": 4.0 * part}
+    phases["initialize"] = max(init, init2, key=lambda d: sum(d.values()))
+    ipg = g * bucket
+    phases["forward"] = {**states, "activations": acts}
+    if zero_stage == 1:
+        # no backward hooks: autograd leaves every full grad in param.grad (g Psi); then
+        # reduce_gradients (stage_1_and_2.py) reduces them bucket by bucket into the partition
+        phases["backward"] = {**states, "full grads": g * psi, "grad partition": g * part,
+                              "ipg bucket": ipg}
+    else:  # stage 2: each grad is reduced as soon as its bucket fills, then freed
+        phases["backward"] = {**states, "grad partition": g * part, "ipg bucket": ipg,
+                              "reduce copy": g * bucket if n > 1 else 0.0, "activations": acts}
+    if t.offload_optimizer:
+        phases["step"] = {**states, "grad partition": g * part, "fp32 grads": 4.0 * part}
+    else:
+        phases["step"] = {**states, "grad partition": g * part,
+                          "step: flat + fp32 grads": (g + 4.0) * part}
+    if n > 1 and t.cpu:
+        # after the step each rank's updated bf16 partition is gathered into the flat model
+        # (runtime/utils.py all_gather_into_tensor_dp_groups); gloo gathers into a new flat
+        # tensor of the output's size and copies it back: a second p Psi for a moment
+        phases["all-gather"] = {**states, "all-gather copy (gloo)": p * psi}
+    return phases, {"model (flat)", "model", "flat copy", "fp32 model", "ipg bucket",
+                    "reduce copy", "activations", "full grads", "all-gather copy (gloo)"}
+
+
+def _zero3_phases(t: _RankTerms) -> Tuple[Phases, Set[str]]:
+    psi, n, p, g, acts, part, bucket = t.psi, t.n, t.p, t.g, t.acts, t.part, t.bucket
+    sizes, largest = t.sizes, t.largest
     z = {"sub_group_size": sizes["sub_group_size"],
          "max_live_parameters": sizes["stage3_max_live_parameters"],
          "max_reuse_distance": sizes["stage3_max_reuse_distance"]}
-    psi = count_params(args)["total"]
-    n = world_size
-    g = p  # DeepSpeed's gradient buffers follow the model dtype (grad_accum_dtype unset)
-    cpu = device == "cpu"
-    acts = activation_memory(args, micro_batch, seq_len, dtype, activation_checkpointing, attention)["total"]
-    bucket = min(sizes["reduce_bucket_size"], psi) if cpu else sizes["reduce_bucket_size"]
-    import torch
+    phases: Phases = {}
+    states = {"param partition": p * part, "grad partitions": g * part, "fp32 master": 4.0 * part,
+              "moments": 8.0 * part, "persistent params": p * t.persistent}
+    if t.offload_optimizer:
+        states["fp32 grads (offload)"] = 4.0 * part
+    ipg = g * bucket
+    phases["build"] = {"param partition": p * part, "gathered param": p * largest}
+    phases["initialize"] = {"param partition": p * part, "fp32 master": 4.0 * part,
+                            "fp32 grad buffer": 4.0 * part, "grad partitions": g * part}
+    # a param used at forward position x (elements) is used again in backward after about
+    # 2 (Psi - x) elements: the last max_reuse_distance / 2 elements of the forward stay
+    # gathered (capped by max_live_parameters), plus the module in use (at least the largest
+    # param) and the prefetch bucket; never more than the whole model
+    kept = min(z["max_reuse_distance"] // 2, z["max_live_parameters"])
+    live = min(psi, max(kept, largest) + sizes["stage3_prefetch_bucket_size"])
+    # a parameter larger than the bucket is reduced on its own: the copies hold at least it
+    reduced = max(bucket, largest) if bucket < psi else bucket
+    rs = (g * reduced * ((2.0 + 1.0 / n) if t.cpu else 1.0)) if n > 1 else 0.0
+    if bucket < psi:  # the first bucket is reduced early in backward, beside it all
+        phases["backward"] = {**states, "ipg bucket": ipg, "gathered params": p * live,
+                              "activations": acts, "reduce-scatter copies": rs}
+    else:  # one bucket, reduced at the end, when activations and gathered params are gone
+        phases["backward"] = {**states, "gathered params": p * live, "activations": acts}
+        phases["backward end"] = {**states, "ipg bucket": ipg, "reduce-scatter copies": rs}
+    step = dict(states, **{"ipg bucket": ipg})
+    if not t.offload_optimizer:
+        step["step: flat + fp32 grads"] = (g + 4.0) * min(part, z["sub_group_size"])
+    phases["step"] = step
+    return phases, {"persistent params", "ipg bucket", "gathered params", "gathered param",
+                    "reduce-scatter copies", "activations"}
 
-    with torch.device("meta"):
-        shapes = [prm.numel() for prm in Transformer(args).parameters()]
-    largest = max(shapes)
-    persistent = sum(k for k in shapes if k <= sizes["stage3_param_persistence_threshold"])
-    part = psi / n
-    phases: Dict[str, Dict[str, float]] = {}
-    if zero_stage == 0:
-        # bf16/fp16: FP16_UnfusedOptimizer builds an fp32 master copy with fp32 grads and runs
-        # its first step in initialize (moments exist from there), beside the model and its grads
-        master = 8.0 * psi if p < 4 else 0.0
-        phases["build"] = {"fp32 model": 4.0 * psi}
-        phases["initialize"] = {"model": p * psi, "grads": g * psi, "fp32 master + grads": master,
-                                "moments": 8.0 * psi}
-        # backward writes the grads as it frees the activations: the larger of the two
-        phases["backward"] = {"model": p * psi, "fp32 master + grads": master, "moments": 8.0 * psi,
-                              "grads or activations": max(g * psi, acts)}
-        unpart = set(phases["backward"]) | set(phases["initialize"])
-    elif zero_stage in (1, 2):
-        states = {"model (flat)": p * psi, "fp32 master": 4.0 * part, "moments": 8.0 * part}
-        phases["build"] = {"fp32 model": 4.0 * psi}
-        # flatten_dense_tensors_aligned copies the whole bf16 model (both alive), then the fp32
-        # master partition and initialize_optimizer_states' zero fp32 grad partition
-        init = {"model": p * psi, "flat copy": p * psi}
-        init2 = {"model (flat)": p * psi, "fp32 master": 4.0 * part, "fp32 grad partition": 4.0 * part}
-        phases["initialize"] = max(init, init2, key=lambda d: sum(d.values()))
-        ipg = g * bucket
-        phases["forward"] = {**states, "activations": acts}
-        if zero_stage == 1:
-            # no backward hooks: autograd leaves every full grad in param.grad (g Psi); then
-            # reduce_gradients (stage_1_and_2.py) reduces them bucket by bucket into the partition
-            phases["backward"] = {**states, "full grads": g * psi, "grad partition": g * part,
-                                  "ipg bucket": ipg}
-        else:  # stage 2: each grad is reduced as soon as its bucket fills, then freed
-            phases["backward"] = {**states, "grad partition": g * part, "ipg bucket": ipg,
-                                  "reduce copy": g * bucket if n > 1 else 0.0, "activations": acts}
-        if offload_optimizer:
-            phases["step"] = {**states, "grad partition": g * part, "fp32 grads": 4.0 * part}
-        else:
-            phases["step"] = {**states, "grad partition": g * part,
-                              "step: flat + fp32 grads": (g + 4.0) * part}
-        if n > 1 and cpu:
-            # after the step each rank's updated bf16 partition is gathered into the flat model
-            # (runtime/utils.py all_gather_into_tensor_dp_groups); gloo gathers into a new flat
-            # tensor of the output's size and copies it back: a second p Psi for a moment
-            phases["all-gather"] = {**states, "all-gather copy (gloo)": p * psi}
-        unpart = {"model (flat)", "model", "flat copy", "fp32 model", "ipg bucket", "reduce copy",
-                  "activations", "full grads", "all-gather copy (gloo)"}
-    else:
-        states = {"param partition": p * part, "grad partitions": g * part, "fp32 master": 4.0 * part,
-                  "moments": 8.0 * part, "persistent params": p * persistent}
-        if offload_optimizer:
-            states["fp32 grads (offload)"] = 4.0 * part
-        ipg = g * bucket
-        phases["build"] = {"param partition": p * part, "gathered param": p * largest}
-        phases["initialize"] = {"param partition": p * part, "fp32 master": 4.0 * part,
-                                "fp32 grad buffer": 4.0 * part, "grad partitions": g * part}
-        # a param used at forward position x (elements) is used again in backward after about
-        # 2 (Psi - x) elements: the last max_reuse_distance / 2 elements of the forward stay
-        # gathered (capped by max_live_parameters), plus the module in use (at least the largest
-        # param) and the prefetch bucket; never more than the whole model
-        kept = min(z["max_reuse_distance"] // 2, z["max_live_parameters"])
-        live = min(psi, max(kept, largest) + sizes["stage3_prefetch_bucket_size"])
-        # a parameter larger than the bucket is reduced on its own: the copies hold at least it
-        reduced = max(bucket, largest) if bucket < psi else bucket
-        rs = (g * reduced * ((2.0 + 1.0 / n) if cpu else 1.0)) if n > 1 else 0.0
-        if bucket < psi:  # the first bucket is reduced early in backward, beside it all
-            phases["backward"] = {**states, "ipg bucket": ipg, "gathered params": p * live,
-                                  "activations": acts, "reduce-scatter copies": rs}
-        else:  # one bucket, reduced at the end, when activations and gathered params are gone
-            phases["backward"] = {**states, "gathered params": p * live, "activations": acts}
-            phases["backward end"] = {**states, "ipg bucket": ipg, "reduce-scatter copies": rs}
-        step = dict(states, **{"ipg bucket": ipg})
-        if not offload_optimizer:
-            step["step: flat + fp32 grads"] = (g + 4.0) * min(part, z["sub_group_size"])
-        phases["step"] = step
-        unpart = {"persistent params", "ipg bucket", "gathered params", "gathered param",
-                  "reduce-scatter copies", "activations"}
+
+def _peak_of(phases: Phases, unpart: Set[str], offload_optimizer: bool,
+             offload_params: bool) -> Dict[str, Any]:
+    """The phase with the most bytes, split into device and host (offloaded terms)."""
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak = max(totals, key=totals.get)
     br = phases[peak]
@@ -421,13 +491,6 @@ def rank_peak_memory(
         "phases": {k: float(v) for k, v in totals.items()},
         "breakdown": {k: float(v) for k, v in br.items()},
         "unpartitioned": float(sum(v for k, v in br.items() if k in unpart)),
-        "n_params": psi,
-        "bytes_per_param": totals[peak] / psi,
-        "zero_stage": zero_stage, "world_size": n, "dtype": dtype, "micro_batch": micro_batch,
-        "seq_len": acts and activation_memory(args, micro_batch, seq_len, dtype)["seq_len"],
-        "offload_optimizer": bool(offload_optimizer), "offload_params": bool(offload_params),
-        "device_kind": device,
-        "ds_buckets": sizes,
     }
 
 
@@ -435,37 +498,32 @@ def deepspeed_estimate(args: Union["ModelArgs", str, Path], zero_stage: int, wor
                        offload_optimizer: bool = False, offload_params: bool = False) -> Dict[str, Any]:
     """DeepSpeed's own model-state estimators (``estimate_zero2_model_states_mem_needs``, used by
     ``..._all_cold`` for ZeRO-1/2, and ``estimate_zero3_model_states_mem_needs`` for ZeRO-3), for
-    one node of ``world_size`` ranks. Bytes: gpu (per rank), cpu (per node), per_rank_cpu_ranks
-    (gpu + cpu / ranks: what a CPU rank would hold). ZeRO-0 has no estimator (None)."""
+    one node of ``world_size`` ranks, through :mod:`llama_train.engine.estimates`. Bytes: gpu
+    (per rank), cpu (per node), per_rank_cpu_ranks (gpu + cpu / ranks: what a CPU rank would
+    hold). ZeRO-0 has no estimator (None)."""
     import torch
 
+    from llama_train.engine.estimates import zero_model_states_mem_needs
     from llama_train.model import Transformer, count_params
 
     args = _resolve_args(args)
     psi = count_params(args)["total"]
+    largest = None
+    if zero_stage == 3:
+        with torch.device("meta"):
+            net = Transformer(args)
+        largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in net.modules())
     try:
-        if zero_stage == 3:
-            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-
-            with torch.device("meta"):
-                net = Transformer(args)
-            largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in net.modules())
-            cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
-                psi, largest, num_gpus_per_node=world_size, num_nodes=1,
-                cpu_offload=offload_optimizer, cpu_offload_params=offload_params, zero_init=True)
-            fn = "deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs"
-        elif zero_stage in (1, 2):
-            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-            cpu, gpu = estimate_zero2_model_states_mem_needs(
-                psi, num_gpus_per_node=world_size, num_nodes=1, cpu_offload=offload_optimizer)
-            fn = "deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs"
-        else:
-            return {"gpu": None, "cpu": None, "per_rank_cpu_ranks": None, "function": None}
+        est = zero_model_states_mem_needs(zero_stage, psi, world_size, largest_layer_params=largest,
+                                          offload_optimizer=offload_optimizer,
+                                          offload_params=offload_params)
     except ImportError as exc:  # pragma: no cover - DeepSpeed is a dependency
         return {"gpu": None, "cpu": None, "per_rank_cpu_ranks": None, "function": f"unavailable: {exc}"}
+    if est is None:
+        return {"gpu": None, "cpu": None, "per_rank_cpu_ranks": None, "function": None}
+    gpu, cpu = est["gpu"], est["cpu"]
     return {"gpu": float(gpu), "cpu": float(cpu), "per_rank_cpu_ranks": float(gpu + cpu / world_size),
-            "function": fn, "additional_buffer_factor": 1.5}
+            "function": est["function"], "additional_buffer_factor": 1.5}
 
 
 FIT_ORDER = ("higher ZeRO stage", "activation checkpointing", "smaller micro-batch",

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import shlex
@@ -42,6 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from llama_train.paths import REPO_ROOT as REPO
+from llama_train.records import RUN_INFO_FILE, RunInfo
 
 STAGES = ("lr", "sweep", "fit", "frontier")
 STUDY = ["+study=cpu"]  # configs/study/cpu.yaml: vocab 512, data.source=stdlib, N non-embedding
@@ -128,22 +128,22 @@ def _env() -> Dict[str, str]:
     return env
 
 
-def run_all(runs: Sequence[Run], jobs: int, bin_dir: Path) -> List[Optional[dict]]:
-    """Run each (skipping ones whose run_info.json says they finished), ``jobs`` at a time, the
+def run_all(runs: Sequence[Run], jobs: int, bin_dir: Path) -> List[Optional[RunInfo]]:
+    """Run each (skipping ones whose run_info.json has a final val_loss), ``jobs`` at a time, the
     dearest first; their run_info.json in input order (None for a run that failed)."""
-    def one(r: Run) -> Optional[dict]:
-        info = r.out / "run_info.json"
-        if info.is_file() and json.loads(info.read_text()).get("final_val_loss") is not None:
+    def one(r: Run) -> Optional[RunInfo]:
+        info = r.out / RUN_INFO_FILE
+        if info.is_file() and RunInfo.read(info).final_val_loss is not None:
             print(f"  done before: {r.tag}", flush=True)
-            return json.loads(info.read_text())
+            return RunInfo.read(info)
         r.out.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         with open(r.log, "w") as log:
             rc = subprocess.call([str(bin_dir / "llama-train"), *r.args],
                                  cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
         ok = rc == 0 and info.is_file()
-        got = json.loads(info.read_text()) if ok else None
-        loss = got.get("final_val_loss") if got else None
+        got = RunInfo.read(info) if ok else None
+        loss = got.final_val_loss if got else None
         said = f"val_loss {loss:.4f}" if loss else f"FAILED rc={rc} (log {r.log})"
         print(f"  {r.tag}: {said} in {time.time() - t0:.0f} s", flush=True)
         return got
@@ -195,7 +195,7 @@ def stage_lr(out: Path, docs: Path, jobs: int, bin_dir: Path) -> Dict[str, float
                  "scaling.lr_ref_flops=null", "scaling.lr_flops_exponent=0", f"optim.lr={lr:g}"],
                 out / "lr" / f"C{c:g}-N{n}-lr{lr:g}", f"lr N={n} C={c:g} lr={lr:g}", _cost(c, n))
             for n, c, lr in specs]
-    rows = [(n, c, lr, info["final_val_loss"], info["tokens"], r.command)
+    rows = [(n, c, lr, info.final_val_loss, info.tokens, r.command)
             for (n, c, lr), r, info in zip(specs, runs, run_all(runs, jobs, bin_dir)) if info]
     best = {}
     for n, c, lrs in LR_POINTS:
@@ -272,11 +272,11 @@ def stage_frontier(out: Path, docs: Path, jobs: int, bin_dir: Path) -> List[Dict
     for r, i in zip(runs, infos):
         if i is None:
             raise SystemExit(f"frontier: {r.tag} failed: {r.log}")
-        n, d = i["params"]["non_embedding"], i["tokens"]
+        n, d = i.params["non_embedding"], i.tokens
         train, infer = 6 * n * d, 2 * n * INFERENCE_TOKENS
         rows.append({"model": r.tag, "non_embedding_params": n, "tokens": d, "tokens_per_param": d / n,
-                     "target_loss": target, "predicted_loss": law.loss(n, d), "val_loss": i["final_val_loss"],
-                     "off_target_pct": 100 * (i["final_val_loss"] / target - 1), "training_flops": train,
+                     "target_loss": target, "predicted_loss": law.loss(n, d), "val_loss": i.final_val_loss,
+                     "off_target_pct": 100 * (i.final_val_loss / target - 1), "training_flops": train,
                      "inference_flops": infer, "lifetime_flops": train + infer, "command": r.command})
     path = docs / "data" / "frontier_runs.csv"
     with open(path, "w", newline="") as fh:

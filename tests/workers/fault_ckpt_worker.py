@@ -49,7 +49,7 @@ def _save(mgr, engine, step: int, faults: str = ""):
 
     from llama_train.faults import FaultInjector, FaultPlan
 
-    mgr.faults = FaultInjector(FaultPlan.parse(faults), mgr.rank)
+    mgr.hooks = [FaultInjector(FaultPlan.parse(faults), mgr.rank)]
     try:
         path, err = mgr.save(engine, step, trainer_state={"step": step},
                              rank_state={"x": torch.zeros(1)},
@@ -57,7 +57,7 @@ def _save(mgr, engine, step: int, faults: str = ""):
     except CheckpointError as e:
         path, err = None, str(e)
     finally:
-        mgr.faults = FaultInjector(FaultPlan(), mgr.rank)
+        mgr.hooks = []
     latest = mgr.root / "latest"
     return {"path": str(path) if path else None, "error": err,
             "tmp_left": sorted(p.name for p in mgr.root.glob(".tmp-*")),
@@ -105,7 +105,7 @@ def main() -> None:
     from llama_train import engine as eng
     from llama_train.checkpoint import CheckpointError, CheckpointManager, verify
     from llama_train.comm import CommConfig
-    from llama_train.train import _check_writable
+    from llama_train.preflight import _check_writable
 
     work = Path(sys.argv[1])
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",

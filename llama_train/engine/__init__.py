@@ -1,0 +1,41 @@
+"""The only package that talks to DeepSpeed: config translation and ``deepspeed.initialize``.
+
+Everything DeepSpeed-specific (the JSON config, the accelerator choice, the process group) is
+decided here from the Hydra sub-configs, so the model stays plain ``torch.nn`` and the training
+loop only sees an engine with ``forward``/``backward``/``step``. One module per job:
+
+    runtime.py        Runtime, detect_runtime: where this process runs (no DeepSpeed)
+    distributed.py    init_distributed / shutdown_distributed: the process group, DeepSpeed's
+                      comm backend, the patches around its start
+    ds_config.py      resolve_precision, build_ds_config: our sub-configs -> DeepSpeed's JSON
+    build.py          build_model (ZeRO-3 inside deepspeed.zero.Init), load_full_state,
+                      initialize (the one call to deepspeed.initialize)
+    wrapper.py        Engine, StepResult: the training loop's view of DeepSpeed's engine
+    ds_checkpoint.py  restricted_loads, convert_to_universal, consolidate_fp32
+    estimates.py      DeepSpeed's own model-state memory estimators (llama-plan model-info)
+
+DeepSpeed is imported inside functions only: importing this package does not import it.
+The peak-FLOPs figures (MFU) are not DeepSpeed's: :mod:`llama_train.flops`, re-exported here
+for the modules that still import them from the engine.
+"""
+
+from llama_train.engine.build import build_model, initialize, load_full_state, preload_deepspeed
+from llama_train.engine.distributed import (STARTUP_TIMEOUT, init_distributed, load_deepspeed,
+                                            shm_comm_op_loaded, shutdown_distributed)
+from llama_train.engine.ds_checkpoint import (RESTRICTED_LOAD_ENV, consolidate_fp32,
+                                              convert_to_universal, restricted_loads)
+from llama_train.engine.ds_config import build_ds_config, resolve_precision
+from llama_train.engine.runtime import Runtime, deepspeed_version, detect_runtime
+from llama_train.engine.wrapper import Engine, StepResult, unwrap
+from llama_train.flops import PeakFlops, measure_matmul_flops, memory_stats, peak_flops
+
+__all__ = [
+    "Runtime", "detect_runtime", "deepspeed_version",
+    "init_distributed", "shutdown_distributed", "load_deepspeed", "shm_comm_op_loaded",
+    "STARTUP_TIMEOUT",
+    "resolve_precision", "build_ds_config",
+    "build_model", "load_full_state", "initialize", "preload_deepspeed",
+    "Engine", "StepResult", "unwrap",
+    "restricted_loads", "RESTRICTED_LOAD_ENV", "convert_to_universal", "consolidate_fp32",
+    "PeakFlops", "peak_flops", "measure_matmul_flops", "memory_stats",
+]

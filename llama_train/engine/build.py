@@ -1,0 +1,114 @@
+"""The model allocated and initialised for its ZeRO stage, and the one call to
+``deepspeed.initialize`` that wraps it into an :class:`~llama_train.engine.wrapper.Engine`."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from llama_train.engine.wrapper import Engine
+
+
+def build_model(model_args, ds_config: Dict[str, Any], device: torch.device,
+                seed: int) -> torch.nn.Module:
+    """The model, allocated and initialised once, ready for :func:`initialize`.
+
+    ZeRO-3: constructed on the meta device inside ``deepspeed.zero.Init``, which partitions each
+    module as ``to_empty`` materialises it, so no rank ever holds more than one module's
+    parameters whole; then each parameter is gathered alone, initialised on rank 0 by
+    ``Transformer.init_param`` and scattered back. Other stages: materialised on ``device`` and
+    initialised there. Either way the weights depend on ``seed`` only (not on the stage, world
+    size or dtype), so every configuration starts from the same model."""
+    from llama_train.model import Transformer
+
+    if ds_config["zero_optimization"]["stage"] != 3:
+        return Transformer(model_args, device=device, seed=seed)
+    import deepspeed
+    import torch._dynamo  # noqa: F401
+    import torch.distributed as dist
+
+    # zero.Init replaces torch.Tensor.__new__ while it is open, and torch._dynamo, when first
+    # imported (a meta-device op can trigger it), refuses a Tensor.__new__ with another signature
+    # (seen with offload, where nothing else had imported it yet): import it before.
+    # The dtype comes from ds_config (bf16/fp16/fp32). Not passed explicitly: DeepSpeed 0.19.8's
+    # Init turns an explicit dtype into bf16 on a CPU accelerator (an operator-precedence slip in
+    # Init._set_dtype), which rounded fp32 weights to bf16.
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = Transformer(model_args, device="meta")
+        model.to_empty(device=device)  # partitions module by module (DeepSpeed's skip_init path)
+    model.tie_weights()
+    first = dist.get_rank() == 0
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+            if first:
+                model.init_param(name, p, seed)
+    model.reset_rope()
+    return model
+
+
+def load_full_state(model: torch.nn.Module, state: Dict[str, torch.Tensor],
+                    zero_stage: int) -> None:
+    """``model.load_state_dict(state, strict=True)``, also for a ZeRO-3-partitioned model: each
+    parameter is gathered alone, rank 0 copies its value in and DeepSpeed scatters it back."""
+    if zero_stage != 3:
+        model.load_state_dict(state, strict=True)
+        return
+    import deepspeed
+    import torch.distributed as dist
+
+    names = dict(model.named_parameters())
+    missing = sorted(set(names) - set(state))
+    unexpected = sorted(set(state) - set(names) - _tied_aliases(model))
+    if missing or unexpected:
+        raise RuntimeError(f"state dict does not match the model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    first = dist.get_rank() == 0
+    with torch.no_grad():
+        for name, p in names.items():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                if first:
+                    if tuple(state[name].shape) != tuple(p.shape):
+                        raise RuntimeError(f"{name}: shape {tuple(state[name].shape)} in the "
+                                           f"state dict, {tuple(p.shape)} in the model")
+                    p.copy_(state[name])
+
+
+def _tied_aliases(model: torch.nn.Module) -> set:
+    """Names a state dict may carry for a tied parameter that ``named_parameters`` lists once."""
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)}
+
+
+def initialize(model: torch.nn.Module, param_groups, ds_config: Dict[str, Any]) -> Engine:
+    """The one call to ``deepspeed.initialize``."""
+    import deepspeed
+
+    ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
+                                       config=ds_config)
+    if ds.dp_world_size == 1 and ds_config["zero_optimization"]["stage"] == 0:
+        # Nothing to reduce: skip DeepSpeed's flatten/all-reduce/copy-back of every gradient
+        # (3.5% of a `small` step on one rank, docs/performance.md).
+        ds.enable_backward_allreduce = False
+    return Engine(ds, ds_config["zero_optimization"]["stage"])
+
+
+def preload_deepspeed(offload: bool) -> None:
+    """Import the DeepSpeed code that :func:`build_model` and :func:`initialize` load on first
+    use, for measurement tools that read an idle baseline before building (``llama-bench
+    memory``): DeepSpeed's ZeRO and mixed-precision optimizer modules (and Muon, which ZeRO
+    imports in initialize), and with ``offload`` DeepSpeed's CPU Adam extension, loaded and
+    stepped once on a throwaway parameter. None of it depends on the model under test."""
+    import importlib
+
+    for mod in ("deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.stage_1_and_2",
+                "deepspeed.runtime.bf16_optimizer", "deepspeed.runtime.fp16.unfused_optimizer",
+                "deepspeed.runtime.fp16.fused_optimizer", "deepspeed.runtime.zero.partition_parameters",
+                # imported (and its kernels compiled) by is_zero_supported_optimizer: ~43 MiB
+                "deepspeed.runtime.zero.muon.muon_optimizer"):
+        importlib.import_module(mod)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        p = torch.nn.Parameter(torch.zeros(8))
+        p.grad = torch.zeros(8)
+        DeepSpeedCPUAdam([p]).step()

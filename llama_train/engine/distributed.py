@@ -1,0 +1,161 @@
+"""The process group: started and ended here only, with DeepSpeed's comm backend on top of it.
+
+Also the two things DeepSpeed's start gets wrong for us, patched around its call: its CPU
+shared-memory comm op (built and loaded on every start, needed by no training collective) and
+the timeout of the groups it creates after the default one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from typing import Iterator, Optional
+
+import torch
+
+from llama_train import watchdog
+from llama_train.comm import CommConfig, apply_env
+from llama_train.proc import ds_shm_buffer
+
+STARTUP_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def load_deepspeed():
+    """``import deepspeed`` (the module), the first thing :func:`init_distributed` does. A
+    function of its own so that ``llama-bench startup`` can time the import, a phase of every
+    start (docs/benchmarks-startup.md)."""
+    import deepspeed
+
+    return deepspeed
+
+
+def init_distributed(comm: Optional[CommConfig] = None, device_type: str = "cpu") -> str:
+    """Start the process group (the only place that does): NCCL on GPUs, its ``NCCL_*``
+    variables set first from ``comm``; gloo on CPU. Expects the launcher's variables (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT); :func:`~llama_train.engine.runtime.detect_runtime`
+    sets them for a plain process. With several ranks, also starts the hang watchdog
+    (:mod:`llama_train.watchdog`): a rank that makes no progress for ``comm.timeout_s`` stops
+    every rank with exit code 5. Returns the backend name."""
+    import torch.distributed as dist
+
+    load_deepspeed()
+    comm = comm if comm is not None else CommConfig()
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_distributed: environment variables {missing} are not set; start the program "
+            "through a launcher, e.g. `deepspeed --num_gpus 2 --module <module> ...`")
+    backend = apply_env(comm, device_type)
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # the watchdog (started below) stops a job after comm.timeout_s without progress from a
+    # rank; a collective gives up a few seconds later, as the backstop
+    timeout = datetime.timedelta(seconds=int(comm.timeout_s) + watchdog.COLLECTIVE_MARGIN_S)
+    _start_process_group(backend, timeout, device_type)
+    _default_group_timeout(timeout)
+    if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+        # Ranks reach this point seconds apart on a loaded host (imports, data checks): a skew
+        # at start-up is not a hang. Past this barrier they run in step, watched.
+        dist.monitored_barrier(timeout=max(timeout, STARTUP_TIMEOUT))
+    if device_type == "cpu" and shm_comm_op_loaded():
+        _unlink_shm_buffer(dist.get_rank())
+    watchdog.start(comm.timeout_s, dist.get_rank(), dist.get_world_size())
+    return backend
+
+
+def _start_process_group(backend: str, timeout: datetime.timedelta, device_type: str) -> None:
+    """``deepspeed.init_distributed``: torch's default group and DeepSpeed's comm backend on it,
+    on CPU without the shared-memory comm op (:func:`_without_shm_comm_op`). A function of its
+    own so that ``llama-bench startup`` can time it."""
+    deepspeed = load_deepspeed()
+    with _without_shm_comm_op(device_type == "cpu"):
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                                   timeout=timeout)
+
+
+def shutdown_distributed() -> None:
+    """End the process group and make DeepSpeed forget the groups it cached from it, so a later
+    :func:`init_distributed` in this process (a program that embeds the trainer, the tests)
+    starts clean."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    from deepspeed.utils import groups
+
+    for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP",
+                 "_TENSOR_MODEL_PARALLEL_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+
+
+def _default_group_timeout(timeout: datetime.timedelta) -> None:
+    """Every process group created from now on has the default group's timeout.
+
+    ``init_process_group`` takes the timeout for the default group only; a group made later with
+    ``new_group`` and no timeout (DeepSpeed's ZeRO data-parallel groups) gets torch's default:
+    30 min on gloo, 10 min on NCCL. A collective stuck on such a group waited 30 min on CPU
+    whatever ``comm.timeout_s`` said (issue 12). torch reads these module defaults at each
+    ``new_group``."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), datetime.timedelta):
+        c10d.default_pg_nccl_timeout = timeout
+
+
+@contextlib.contextmanager
+def _without_shm_comm_op(skip: bool) -> Iterator[None]:
+    """Inside (when ``skip``): DeepSpeed starts its torch comm backend without its CPU
+    shared-memory comm op (``deepspeed_shm_comm_op``).
+
+    DeepSpeed 0.19.8's ``TorchBackend.__init__`` calls ``deepspeed.comm.torch.build_shm_op()`` on
+    every start: it probes every op builder for compatibility (compiler subprocesses), JIT-loads
+    the op through torch's cpp_extension (ninja; a C++ build of 30-70 s on 2 cores whenever
+    ``TORCH_EXTENSIONS_DIR`` holds no build yet, e.g. a fresh container or the default
+    ``~/.cache/torch_extensions``), prints "... built successfully" on every rank, and maps a
+    ~66 MB /dev/shm buffer per rank. The op serves one call, ``inference_all_reduce`` (DeepSpeed
+    inference's tensor-parallel layers), which without it uses ``torch.distributed.all_reduce``;
+    training's collectives (gradient all-reduce, ZeRO's reduce-scatter/all-gather, barriers) all
+    go through ``torch.distributed`` either way (docs/benchmarks-startup.md). ``build_shm_op`` is
+    looked up at call time, so it is replaced for the duration of the call only. On GPUs
+    DeepSpeed has no such op and nothing changes; a DeepSpeed without ``build_shm_op`` is left
+    alone (and :func:`shm_comm_op_loaded` then says whether its buffer must be unlinked)."""
+    import importlib
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    real = getattr(ds_torch, "build_shm_op", None)
+    if not skip or real is None:
+        yield
+        return
+    ds_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = real
+
+
+def shm_comm_op_loaded() -> bool:
+    """Whether DeepSpeed's comm backend of this process holds the CPU shared-memory comm op."""
+    import importlib
+
+    cdb = getattr(importlib.import_module("deepspeed.comm.comm"), "cdb", None)
+    return getattr(cdb, "shm_comm_op", None) is not None
+
+
+def _unlink_shm_buffer(rank: int) -> None:
+    """DeepSpeed's CPU shared-memory all-reduce (when loaded: see :func:`_without_shm_comm_op`)
+    creates a ~66 MB /dev/shm file per rank and never removes it, so every run leaks RAM until
+    /dev/shm fills up. Once every rank has mapped its peers' buffers (after the barrier) the names
+    are no longer needed: unlink ours, the mappings stay valid and the memory is freed when the
+    job ends."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    try:
+        os.unlink(ds_shm_buffer(os.environ.get("MASTER_ADDR", ""),
+                                os.environ.get("MASTER_PORT", ""), rank))
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,245 @@
+"""Everything decided before a process group exists: the config checked across groups, the
+experiment planned, the output dir claimed, the data prepared and a resume's checkpoint judged.
+
+Any refusal here names the key and the fix and happens on every rank alike, from files, before
+NCCL or gloo starts, so a wrong command costs seconds and writes nothing.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+from llama_train.config import (BatchPlan, Config, ConfigError, config_warnings, resolve_batch,
+                                to_container, validate)
+
+log = logging.getLogger("llama_train")
+
+
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+
+
+@dataclass
+class Preflight:
+    """Everything decided before a process group exists."""
+
+    cfg: Config  # the config the run trains with (an experiment's plan applied)
+    rt: Any  # engine.Runtime
+    model_args: Any  # model.ModelArgs
+    plan: BatchPlan
+    prepared: Any  # data.Prepared
+    experiment: Any = None  # scaling.ExperimentPlan, for experiment=... runs
+    lock: Any = None  # runlock.RunLock on rank 0: the output_dir is this job's until release()
+    command: Optional[str] = None  # the llama-train command of this job (run_info.json)
+    faults: Any = None  # faults.FaultPlan from LLAMA_TRAIN_FAULTS (empty: none)
+    resume: Any = None  # resume.ResumeCheck of the checkpoint a resume will load (None: fresh)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def run_config(self) -> dict:
+        """The resolved config as saved with every checkpoint (secrets scrubbed)."""
+        return to_container(self.cfg)
+
+    def resume_check(self, ckpt: Optional[Path]):
+        """The :class:`~llama_train.resume.ResumeCheck` of the checkpoint the job actually loads:
+        preflight's, or (where a newer checkpoint failed its checksums since) that one's, judged
+        by the same rules now. None for a fresh start."""
+        from llama_train.checkpoint import read_state
+        from llama_train.resume import check_resume
+
+        if ckpt is None:
+            return None
+        if self.resume is None or Path(self.resume.checkpoint) != Path(ckpt):
+            self.resume = check_resume(
+                ckpt, read_state(ckpt), self.run_config(), self.rt.world_size,
+                self.plan.global_batch, self.cfg.trainer.allow_config_change,
+                self.prepared.meta["tokenizer"].get("sha256"))
+        return self.resume
+
+
+def preflight(cfg: Config) -> Preflight:
+    """Validate the config, claim the output dir and prepare the data. Any error here is raised
+    before the process group starts, naming the key and the fix. On rank 0 the returned
+    Preflight holds the output dir's lock: call its ``release()`` when the run ends."""
+    from llama_train.comm import check_backend
+    from llama_train.data import check_compatible, prepare_data
+    from llama_train.engine import detect_runtime
+    from llama_train.faults import FaultPlan
+    from llama_train.resume import check_tokenizer
+    from llama_train.runlock import RunLock, check_not_held_by_another_job
+
+    rt = detect_runtime(cfg.trainer.device)
+    setup_logging(rt.rank)
+    cfg, experiment = plan_experiment(cfg, rt.world_size)
+    plan = validate(cfg, rt.world_size, rt.device_type)
+    if rt.rank == 0:
+        for warning in config_warnings(cfg):
+            log.warning("%s", warning)
+    if cfg.trainer.init_from:
+        from llama_train.hf import check_init_from
+
+        check_init_from(cfg.trainer.init_from, cfg.model)
+    faults = FaultPlan.from_env()  # a malformed LLAMA_TRAIN_FAULTS fails here, not mid-run
+    try:
+        check_backend(cfg.comm, rt.device_type)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _check_writable(cfg.trainer.output_dir)
+    check_not_held_by_another_job(cfg.trainer.output_dir)  # every rank, before the data
+    _check_one_history(cfg)
+    resume = _check_resume(cfg, plan, rt.world_size)  # files only: before data and group
+    prepared = prepare_data(cfg.data, vocab_size=cfg.model.vocab_size)
+    check_compatible(prepared.meta, cfg.model.vocab_size, cfg.trainer.seq_len)
+    _check_epochs(cfg, plan, prepared.meta, rt.rank)
+    _check_prepared_tokenizer(prepared)
+    if resume is not None:  # the checkpoint's tokenizer against the data's, now known
+        check_tokenizer(resume.checkpoint, prepared.meta["tokenizer"].get("sha256"))
+    # last: a refused config or data leaves no lock file behind (prepared data is found quickly)
+    lock = RunLock(cfg.trainer.output_dir).acquire() if rt.rank == 0 else None
+    return Preflight(cfg, rt, cfg.model, plan, prepared, experiment, lock, faults=faults,
+                     resume=resume)
+
+
+def _check_resume(cfg: Config, plan: BatchPlan, world_size: int):
+    """The checkpoint a resume will most likely load (sizes checked, not checksums), judged by
+    :mod:`llama_train.resume` from its files: a resume the run would refuse (another
+    run-defining config, global batch or model shape) is refused before data preparation and
+    the process group. None: a fresh start."""
+    from llama_train.checkpoint import read_state, resume_candidate
+    from llama_train.resume import check_resume
+
+    ckpt = resume_candidate(cfg.trainer.output_dir, cfg.trainer.resume)
+    if ckpt is None:
+        return None
+    return check_resume(ckpt, read_state(ckpt), to_container(cfg), world_size,
+                        plan.global_batch, cfg.trainer.allow_config_change)
+
+
+def _check_epochs(cfg: Config, plan: BatchPlan, meta: dict, rank: int) -> float:
+    """How many times the run reads the train split (data.mixture: the source read most often,
+    by its weight): said at start; for a scaling experiment (whose law assumes fresh tokens) a
+    warning above 1 and a refusal above scaling.max_epochs."""
+    tokens = cfg.trainer.max_steps * plan.tokens_per_step
+    train_tokens, split = meta["splits"]["train"]["tokens"], "the train split"
+    epochs = tokens / max(1, train_tokens)
+    if "sources" in meta:  # a mixture
+        total = sum(s["weight"] for s in meta["sources"])
+        each = {s["name"]: (tokens * s["weight"] / total / max(1, s["train_tokens"]),
+                            s["train_tokens"]) for s in meta["sources"]}
+        name = max(each, key=lambda n: each[n][0])
+        epochs, train_tokens = each[name]
+        split = f"source {name} (by its weight)"
+        if rank == 0:
+            log.info("data.mixture epochs: %s", ", ".join(f"{n} {e:.3g}"
+                                                         for n, (e, _) in each.items()))
+    what = (f"{cfg.trainer.max_steps} steps x {plan.tokens_per_step:,} tokens read {split} "
+            f"({train_tokens:,} tokens) {epochs:.3g} times")
+    if cfg.scaling.mode == "none" or epochs <= 1:
+        if rank == 0:
+            log.info("data: %s", what)
+        return epochs
+    s = cfg.scaling
+    if epochs > s.max_epochs:
+        raise ConfigError(
+            f"scaling.mode={s.mode}: {what}, more than scaling.max_epochs={s.max_epochs:g}. A "
+            f"scaling law's tokens are fresh tokens: lower scaling.flops, use a larger "
+            f"data.source, or raise scaling.max_epochs to accept the repetition.")
+    if rank == 0:
+        log.warning("scaling.mode=%s: %s: repeated tokens are worth less than fresh ones, so "
+                    "the loss will sit above the law's prediction (limit: scaling.max_epochs=%g)",
+                    s.mode, what, s.max_epochs)
+    return epochs
+
+
+def _check_one_history(cfg: Config) -> None:
+    """trainer.resume=never starts a new history: refuse a directory that holds one unless
+    trainer.on_existing says what to do with it (every rank decides the same, from the files)."""
+    from llama_train.checkpoint import existing_history
+
+    t = cfg.trainer
+    if t.resume != "never" or t.on_existing != "refuse":
+        return
+    found = existing_history(t.output_dir, cfg.tracking.metrics_file)
+    if found:
+        shown = ", ".join(found[-3:]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ConfigError(
+            f"trainer.resume=never but trainer.output_dir={t.output_dir!r} already holds a run "
+            f"({shown}): one output_dir holds one history. Continue it with trainer.resume=auto, "
+            f"start over with trainer.on_existing=archive (moves it to "
+            f"{Path(t.output_dir) / 'archive'}/<time>/) or trainer.on_existing=overwrite "
+            f"(deletes it), or use another trainer.output_dir. Nothing was changed.")
+
+
+def plan_experiment(cfg: Config, world_size: int):
+    """experiment=compute_optimal|inference_optimal|isoflop: the config this run trains with
+    (model shape, steps, warmup from the plan) and the plan; ``cfg`` itself is left alone."""
+    if cfg.scaling.mode == "none":
+        return cfg, None
+    from llama_train.scaling import plan_experiment as plan_for
+
+    if cfg.data.val_fraction == 0:
+        raise ConfigError(f"scaling.mode={cfg.scaling.mode} compares runs by their validation "
+                          f"loss, but data.val_fraction=0 leaves no validation split: set "
+                          f"data.val_fraction > 0 (default 0.01).")
+    t = cfg.trainer
+    tokens_per_step = resolve_batch(t, world_size).global_batch * t.seq_len
+    exp = plan_for(cfg.scaling, cfg.model, t.seq_len, tokens_per_step, cfg.optim.warmup_steps,
+                   base_lr=cfg.optim.lr)
+    log.info("scaling %s", exp.describe())
+    optim = replace(cfg.optim, warmup_steps=exp.warmup_steps,
+                    lr=exp.lr if exp.lr is not None else cfg.optim.lr)
+    return replace(cfg, model=exp.model, trainer=replace(t, max_steps=exp.max_steps), optim=optim), exp
+
+
+def _check_writable(output_dir: str) -> None:
+    """Every rank writes checkpoint shards: find a read-only or full output dir now, not at the
+    first save hours later. Probes the checkpoint dir, or the nearest existing parent that would
+    hold it, and leaves nothing behind."""
+    d = Path(output_dir).absolute() / "checkpoints"
+    while not d.exists() and d.parent != d:
+        d = d.parent
+    probe = d / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        if not d.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(d))
+        probe.write_bytes(b"\0" * 4096)
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"trainer.output_dir={output_dir!r} is not writable: {e.strerror or e} "
+            f"({e.filename or d}). Point trainer.output_dir at a writable directory with free "
+            f"space, or fix its permissions or mount."
+        ) from None
+
+
+def _check_prepared_tokenizer(prepared) -> None:
+    """The tokenizer file beside the shards must be the one meta.json says encoded them."""
+    from llama_train.data import DataError
+    from llama_train.data.tokenizer import file_sha256
+
+    want = prepared.meta["tokenizer"].get("sha256")
+    path = Path(prepared.tokenizer_path)
+    if not path.is_file():
+        raise DataError(f"{path} is missing: the prepared data in {prepared.dir} is incomplete; "
+                        f"delete it and prepare again.")
+    got = file_sha256(path)
+    if want and got != want:
+        raise DataError(
+            f"{path} (sha256 {got[:12]}) is not the tokenizer that encoded the shards in "
+            f"{prepared.dir} (meta.json: sha256 {want[:12]}): the directory mixes two "
+            f"tokenizers. Delete it and prepare again, or restore its tokenizer.model."
+        )

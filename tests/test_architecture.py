@@ -1,0 +1,307 @@
+"""The map against the territory (docs/architecture.md): who imports whom inside llama_train/,
+and the files other programs read (llama_train.records) keeping their format.
+
+The import graph is read from the source (AST; no module is imported, no process started):
+every ``import`` and ``from ... import``, at module level and inside functions alike (an import
+inside a function is still a dependency, only a later one), relative imports resolved, ``from
+pkg import name`` counted as an import of ``pkg.name`` when that is a module.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, FrozenSet, List, Optional, Set
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "llama_train"
+
+# Import cycles between modules of files this change could not touch (name sets of a strongly
+# connected component). Each entry is a known debt: fix the cycle and delete it here.
+ALLOWED_CYCLES_TODO: Set[FrozenSet[str]] = set()
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    internal: Set[str] = field(default_factory=set)  # llama_train modules it imports
+    external: Set[str] = field(default_factory=set)  # every other dotted name it imports
+
+
+def _module_name(path: Path) -> tuple:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    is_pkg = parts[-1] == "__init__"
+    return ".".join(parts[:-1] if is_pkg else parts), is_pkg
+
+
+def _imported_names(tree: ast.AST, name: str, is_pkg: bool) -> Set[str]:
+    """Every dotted name ``tree`` imports, absolute; ``from m import x`` gives m and m.x."""
+    here = name.split(".") if is_pkg else name.split(".")[:-1]  # the package `.` refers to
+    out: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names if a.name != "*")
+    return out
+
+
+def build_graph() -> Dict[str, Module]:
+    files = sorted(PACKAGE.rglob("*.py"))
+    mods: Dict[str, Module] = {}
+    for path in files:
+        name, _ = _module_name(path)
+        mods.setdefault(name, Module(name, path))  # x.py beside x/ (in the middle of a move): one
+    for path in files:
+        name, is_pkg = _module_name(path)
+        for dotted in _imported_names(ast.parse(path.read_text(), str(path)), name, is_pkg):
+            parts = dotted.split(".")
+            while parts and ".".join(parts) not in mods:  # the longest prefix that is a module
+                parts.pop()
+            target = ".".join(parts)
+            if target and dotted.split(".")[0] == "llama_train":
+                if target != name:
+                    mods[name].internal.add(target)
+            else:
+                mods[name].external.add(dotted)
+    return mods
+
+
+def strongly_connected(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Tarjan's components with more than one node (each one holds at least one cycle)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on: Set[str] = set()
+    out: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def a_cycle(graph: Dict[str, Set[str]], comp: List[str]) -> List[str]:
+    """The shortest cycle through the first node of ``comp``: a path that ends where it starts."""
+    start, inside = comp[0], set(comp)
+    prev: Dict[str, Optional[str]] = {start: None}
+    todo = deque([start])
+    while todo:
+        v = todo.popleft()
+        for w in sorted(graph[v] & inside):
+            if w == start:
+                path = [v]
+                while prev[path[-1]] is not None:
+                    path.append(prev[path[-1]])
+                return path[::-1] + [start]
+            if w not in prev:
+                prev[w] = v
+                todo.append(w)
+    return comp + comp[:1]
+
+
+def component(module: str) -> str:
+    """What a cycle between packages is counted on: llama_train.<x> (a subpackage or a module)."""
+    return ".".join(module.split(".")[:2])
+
+
+def describe(graph: Dict[str, Set[str]], comps: List[List[str]]) -> str:
+    return "\n".join("  " + " -> ".join(a_cycle(graph, c)) + f"   (component: {', '.join(c)})"
+                     for c in comps)
+
+
+@pytest.fixture(scope="module")
+def mods() -> Dict[str, Module]:
+    return build_graph()
+
+
+def test_graph_sees_the_imports(mods):
+    """The reader itself: relative imports resolve, function-level imports count."""
+    assert "llama_train.model" in mods and "llama_train.data.loader" in mods
+    assert "llama_train.util" in mods["llama_train.data.loader"].internal  # absolute, module level
+    assert "llama_train.data.packed" in mods["llama_train.data.loader"].internal  # relative
+    assert "torch" in mods["llama_train.model"].external
+    assert "llama_train.paths" in mods["llama_train.model"].internal  # inside list_presets()
+
+
+def test_no_import_cycles_between_modules(mods):
+    graph = {n: m.internal for n, m in mods.items()}
+    comps = strongly_connected(graph)
+    new = [c for c in comps if frozenset(c) not in ALLOWED_CYCLES_TODO]
+    assert not new, "import cycles between modules of llama_train/:\n" + describe(graph, new)
+    stale = ALLOWED_CYCLES_TODO - {frozenset(c) for c in comps}
+    assert not stale, f"ALLOWED_CYCLES_TODO lists cycles that are gone: remove {sorted(map(sorted, stale))}"
+
+
+def test_no_import_cycles_between_packages(mods):
+    """Subpackages and top-level modules (scaling/, data/, plot.py, ...) point one way: a cycle
+    through two modules of different packages is a cycle of the packages even when no single
+    module closes it (scaling.cli -> plot -> scaling.fit)."""
+    graph: Dict[str, Set[str]] = {}
+    for n, m in mods.items():
+        graph.setdefault(component(n), set()).update(
+            component(t) for t in m.internal if component(t) != component(n))
+    comps = strongly_connected(graph)
+    culprits = []
+    for c in comps:
+        for n, m in sorted(mods.items()):
+            if component(n) in c:
+                culprits += [f"{n} -> {t}" for t in sorted(m.internal)
+                             if component(t) in c and component(t) != component(n)]
+    assert not comps, ("import cycles between packages of llama_train/:\n" + describe(graph, comps)
+                       + "\nthrough:\n  " + "\n  ".join(culprits))
+
+
+def _imports(m: Module, root: str) -> bool:
+    return any(x == root or x.startswith(root + ".") for x in m.external)
+
+
+def test_deepspeed_is_imported_only_by_the_engine(mods):
+    outside = sorted(n for n, m in mods.items() if _imports(m, "deepspeed")
+                     and n != "llama_train.engine" and not n.startswith("llama_train.engine."))
+    assert not outside, (f"{', '.join(outside)} import(s) deepspeed: only llama_train/engine/ may "
+                         f"(everything else asks the engine)")
+
+
+# The layers of docs/architecture.md, top down: a module never imports one of a higher layer.
+LOOP = {"train", "dry_run", "preflight", "trainer", "train_module", "checkpoint", "resume",
+        "tracking", "recovery", "faults", "sample", "runlock"}
+FOUNDATION = {"config", "policy", "records", "util", "proc", "paths", "model", "model_ops",
+              "optim", "hooks", "flops", "watchdog", "comm", "data.config"}
+
+
+def _layer(name: str) -> str:
+    short = name.removeprefix("llama_train.")
+    if short == "engine" or short.startswith("engine."):
+        return "engine"
+    if short in LOOP:
+        return "loop"
+    if short in FOUNDATION or short.split(".")[0] == "comm":
+        return "foundation"
+    return "other"
+
+
+def test_dependencies_point_down(mods):
+    """Only the benchmarks, which embed it, import the entry point; the engine imports nothing
+    of the loop; the foundations (config, model, records, ...) import neither."""
+    order = {"loop": 2, "engine": 1, "foundation": 0}
+    up = sorted(f"{n} -> {t}" for n, m in mods.items() for t in m.internal
+                if _layer(n) in order and _layer(t) in order and order[_layer(t)] > order[_layer(n)])
+    assert not up, "imports that point up a layer:\n  " + "\n  ".join(up)
+    entry = sorted(n for n, m in mods.items() if "llama_train.train" in m.internal
+                   and not n.startswith("llama_train.bench."))
+    assert not entry, f"{entry} import llama_train.train (the entry point): only bench/ may"
+    assert {_layer(f"llama_train.{n}") for n in LOOP} == {"loop"}
+    assert all(f"llama_train.{n}" in mods for n in LOOP | FOUNDATION), "a layer names a module that is gone"
+
+
+@pytest.mark.parametrize("name", ["llama_train.model", "llama_train.model_ops"])
+def test_model_knows_no_distribution(mods, name):
+    """model.py (and the module it re-exports) import neither deepspeed nor torch.distributed,
+    nor does anything of llama_train they import."""
+    seen, todo = set(), [name]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo += sorted(mods[n].internal)
+    bad = sorted(f"{n}: {x}" for n in seen for x in mods[n].external
+                 if x.split(".")[0] == "deepspeed" or x == "torch.distributed"
+                 or x.startswith("torch.distributed."))
+    assert not bad, f"{name} reaches distributed code: {bad}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The files other programs read (llama_train.records): one definition, the bytes of before
+# ---------------------------------------------------------------------------------------------
+
+RUN_INFO = dict(params={"total": 10, "embedding": 4, "non_embedding": 6}, model_args={"dim": 8},
+                flop_budget=None, tokens=1024, global_batch=8, seq_len=64, max_steps=2,
+                flops_per_token=1.5e6, flops=1.536e9, peak_flops={"value": 1e12, "source": "x"},
+                command="llama-train trainer.max_steps=2")
+
+
+@pytest.mark.parametrize("final", [{}, {"final_val_loss": 3.25, "final_step": 2},
+                                   {"final_val_loss": None, "final_step": 2}])
+def test_run_info_writes_what_the_trainer_wrote(tmp_path, final):
+    """RunInfo.write is the trainer's json.dumps(info, indent=1): the run's start without the
+    final_* keys, its end with both (final_val_loss null without a validation split)."""
+    from llama_train.records import RunInfo
+
+    path = tmp_path / "run_info.json"
+    RunInfo(**RUN_INFO, **final).write(path)
+    assert path.read_text() == json.dumps({**RUN_INFO, **final}, indent=1)
+    back = RunInfo.read(path)
+    assert back == RunInfo(**RUN_INFO, **final) and back.finished == bool(final)
+
+
+def test_run_info_reads_partial_and_unknown_keys(tmp_path):
+    from llama_train.records import RunInfo
+
+    path = tmp_path / "run_info.json"
+    path.write_text(json.dumps({"params": {"total": 5}, "tokens": 7, "added_later": 1}))
+    info = RunInfo.read(path)
+    assert (info.params, info.tokens, info.flops, info.command, info.final_step) == ({"total": 5}, 7, None,
+                                                                                     None, None)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a JSON object"):
+        RunInfo.read(path)
+    path.write_text("{")
+    with pytest.raises(json.JSONDecodeError):
+        RunInfo.read(path)
+
+
+def test_metrics_lines_keep_their_bytes(tmp_path):
+    """A step line is {"step", "time" (ms), metrics...}; an event line {"step", "time", "event",
+    fields...}; non-finite values are strings; a line reads back to the record that wrote it."""
+    from llama_train.records import (EventRecord, StepRecord, events, iter_records, last_val_loss,
+                                     parse_line, read_metrics, step_records)
+
+    step = StepRecord.new(3, {"loss": 2.5, "lr": float("nan"), "mix": {"a": 1}}, now=1700000000.12345)
+    assert step.to_line() == '{"step": 3, "time": 1700000000.123, "loss": 2.5, "lr": "nan", "mix": {"a": 1}}\n'
+    event = EventRecord.new(3, "rollback", {"to_step": 2, "checkpoint": "c"}, now=1.0)
+    assert event.to_line() == '{"step": 3, "time": 1.0, "event": "rollback", "to_step": 2, "checkpoint": "c"}\n'
+    assert (event.step, event.event, event.fields) == (3, "rollback", {"to_step": 2, "checkpoint": "c"})
+    val = StepRecord.new(4, {"val_loss": 2.0, "val_ppl": 7.4}, now=2.0)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(step.to_line() + event.to_line() + val.to_line() + "[1]\n" + '{"step": 5, "lo')
+    recs = read_metrics(path)
+    assert recs == [step, event, val] and list(iter_records(path)) == recs
+    assert [type(r) for r in recs] == [StepRecord, EventRecord, StepRecord]
+    assert parse_line(step.to_line().strip()) == step and parse_line('{"step": 5, "lo') is None
+    assert step_records(recs, "loss") == [step] and step_records(recs, "lr") == []  # "nan": no number
+    assert step_records(recs) == [step, val] and events(recs, "resume") == [] and events(recs) == [event]
+    assert last_val_loss(recs) == 2.0 and last_val_loss(recs[:2]) is None
