@@ -22,6 +22,11 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
+# ZeRO-3 with the tiny settings (6 steps), a checkpoint every 2: conftest.py's zero3_run, which
+# test_launcher_runs.py compares with ZeRO-0 and test_zero3.py resumes, reshards and exports
+ZERO3 = ["deepspeed.zero_stage=3", "trainer.save_every=2"]
+
+
 def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = dict(os.environ)
     env["DS_ACCELERATOR"] = "cpu"
@@ -96,6 +101,14 @@ def run(cmd: List[str], log: Path, timeout: float = 300, env=None, check: bool =
     return rc
 
 
+def one_process(out: Path, overrides: List[str], log: Path, timeout: float = 300) -> int:
+    """Plain ``python -m llama_train.train`` with the tiny settings, no launcher: a world of one
+    (micro-batch 4 keeps the global batch of the launcher runs' 2 ranks x 2)."""
+    cmd = [sys.executable, "-m", "llama_train.train", *TINY, f"trainer.output_dir={out}",
+           "trainer.micro_batch=4", *overrides]
+    return run(cmd, log, timeout)
+
+
 def train(out: Path, overrides: List[str] = (), nprocs: int = 2, timeout: float = 300,
           check: bool = True, env=None, log_name: str = "train.log") -> int:
     """``deepspeed --num_gpus N --module llama_train.train`` with the tiny settings."""
@@ -115,6 +128,8 @@ def copy_at_step(src: Path, dst: Path, step: int) -> Path:
     """``dst``: run ``src`` as a run stopped right after its checkpoint of ``step`` would have
     left it (later checkpoints, metrics lines and the end-of-run sample removed), to resume from
     without training the first steps again."""
+    ckpt = src / "checkpoints" / f"step_{step:08d}"
+    assert ckpt.is_dir(), f"{src} kept no checkpoint of step {step} (trainer.keep_last)"
     shutil.copytree(src, dst)
     ckpts = dst / "checkpoints"
     for d in ckpts.glob("step_*"):
@@ -133,8 +148,41 @@ def metrics(out: Path) -> List[Record]:
     return read_metrics(out / METRICS_FILE)
 
 
+def resumed_from(out: Path) -> List[str]:
+    """The checkpoints the run in ``out`` resumed from, one per resume, in order."""
+    return [r["checkpoint"] for r in metrics(out) if r.get("event") == "resume"]
+
+
 def losses(out: Path) -> Dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(out) if "loss" in r}
+
+
+def losses_so_far(out: Path) -> Dict[int, float]:
+    """``losses`` of a job still writing them, for polling it: {} before its metrics.jsonl
+    exists (a half-written last line is skipped by ``metrics``)."""
+    try:
+        return losses(out)
+    except FileNotFoundError:
+        return {}
+
+
+def rank_pid(launcher_pid: int, local_rank: int) -> Optional[int]:
+    """The pid of local rank ``local_rank`` under the deepspeed launcher ``launcher_pid`` (None
+    while it has not started, or once it is gone)."""
+    import psutil
+
+    try:
+        children = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.Error:
+        return None
+    for p in children:
+        try:
+            if (f"--local_rank={local_rank}" in p.cmdline()
+                    and "deepspeed.launcher.launch" in " ".join(p.parent().cmdline())):
+                return p.pid
+        except psutil.Error:
+            continue
+    return None
 
 
 def wait_for(pred, timeout: float, interval: float = 0.2) -> bool:
@@ -183,18 +231,31 @@ def world_of_one():
         torch.set_num_threads(threads)
 
 
-def cfg_for(out: Path, *overrides: str):
-    """The in-process tier's config: the tiny settings on one rank (micro-batch 4 keeps the
-    global batch of the launcher tests' 2 ranks x 2)."""
+def compose_cfg(overrides):
+    """llama-train's config for ``overrides``: composed by Hydra and checked (no data, no
+    process group)."""
     from hydra import compose, initialize_config_dir
 
     from llama_train.config import load_config
     from llama_train.paths import CONFIG_DIR
 
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-        return load_config(compose("config", overrides=[*TINY, "trainer.micro_batch=4",
-                                                        f"trainer.output_dir={out}",
-                                                        *overrides]))
+        return load_config(compose("config", overrides=list(overrides)))
+
+
+def cfg_for(out: Path, *overrides: str):
+    """The in-process tier's config: the tiny settings on one rank (micro-batch 4 keeps the
+    global batch of the launcher tests' 2 ranks x 2)."""
+    return compose_cfg([*TINY, "trainer.micro_batch=4", f"trainer.output_dir={out}", *overrides])
+
+
+def tiny_prepared():
+    """The tiny config and its prepared data: what the launched runs train on (prepared once a
+    session, in conftest's LLAMA_TRAIN_CACHE). Returns (config, PreparedData)."""
+    from llama_train.data import prepare_data
+
+    cfg = compose_cfg(TINY)
+    return cfg, prepare_data(cfg.data, vocab_size=cfg.model.vocab_size)
 
 
 def rows(out: Path) -> List[Record]:

@@ -20,16 +20,13 @@ import re
 import pytest
 import torch
 
-from helpers import TINY, free_port, world_of_one
+from helpers import TINY, free_port, tiny_prepared
 from llama_train import train as train_mod
 from llama_train.model import ModelArgs
 from llama_train.records import read_metrics, step_records
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank():
-    with world_of_one():
-        yield
+pytestmark = pytest.mark.usefixtures("one_rank")  # conftest.py: a world of one
 
 
 def llama_train(argv, monkeypatch, capsys) -> tuple[int, str]:
@@ -190,14 +187,8 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, monkeypatch, capsy
     """trainer.dry_run=true: shape, parameters, tokens, steps, epochs, FLOPs and a time estimate,
     then exit 0: no process group, no output directory, no data preparation."""
     import torch.distributed as dist
-    from hydra import compose, initialize_config_dir
 
-    from llama_train.config import load_config
-    from llama_train.data import prepare_data
-    from llama_train.paths import CONFIG_DIR
-
-    with initialize_config_dir(str(CONFIG_DIR), version_base=None):  # the epochs need the data
-        prepare_data(load_config(compose("config", overrides=TINY)).data, 2048)
+    tiny_prepared()  # the epochs need the data
     out = tmp_path / "never"
     code, text = llama_train([*TINY, f"trainer.output_dir={out}", "experiment=compute_optimal",
                               "scaling.flops=3e13", "trainer.dry_run=true"], monkeypatch, capsys)

@@ -5,7 +5,6 @@ All runs go through the real deepspeed launcher (2 CPU ranks, gloo) in fp32 on t
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -15,19 +14,20 @@ import sys
 import pytest
 import torch
 
-from helpers import (REPO, TINY, launcher_cmd, losses, metrics, run, spawn, tail, train,
-                     wait_for)
+from helpers import (REPO, TINY, copy_at_step, launcher_cmd, losses, losses_so_far, metrics,
+                     one_process, spawn, tail, train, wait_for)
 from llama_train.checkpoint import find_latest, write_manifest
 
 pytestmark = pytest.mark.slow
 
 # Exact resume after a clean stop (trainer.steps_this_run) and the fallback past a truncated
-# checkpoint are in the in-process tier (tests/test_trainer.py), W&B's run continuity in
+# checkpoint are in the in-process tier (tests/test_loop.py), W&B's run continuity in
 # tests/test_tracking.py; kill -9 of the whole job is tests/test_reliability.py's drill (three
 # kills, in steps and in saves, bit-identical losses and weights). Here: what needs the launcher.
-# 24 steps: long enough (a few seconds) that a signal or a kill lands mid-run
-STEPS = ["trainer.max_steps=24", "trainer.save_every=4", "deepspeed.zero_stage=2"]
-HALF = "trainer.steps_this_run=12"
+# 24 steps: long enough (a few seconds) that a signal or a kill lands mid-run; every checkpoint
+# kept, so that a copy of the uninterrupted run at step 12 can be resumed
+STEPS = ["trainer.max_steps=24", "trainer.save_every=4", "trainer.keep_last=6",
+         "deepspeed.zero_stage=2"]
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +42,12 @@ def uninterrupted(runs):
     return out
 
 
-def losses_safe(out):
-    try:
-        return losses(out)
-    except (json.JSONDecodeError, FileNotFoundError):
-        return {}
-
-
 def test_sigterm_saves_and_resumes(uninterrupted, runs):
     out = runs / "sigterm"
     out.mkdir()
     cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", *STEPS, "trainer.save_every=100"])
     with spawn(cmd, runs / "sigterm.log") as proc:
-        assert wait_for(lambda: max(losses_safe(out), default=0) >= 3, timeout=240,
+        assert wait_for(lambda: max(losses_so_far(out), default=0) >= 3, timeout=240,
                         interval=0.05), \
             tail(runs / "sigterm.log")
         # like SLURM or Kubernetes on preemption: SIGTERM to every process of the job
@@ -91,14 +84,12 @@ def test_half_written_checkpoint_is_never_latest(tmp_path):
 
 
 def test_reshard_two_ranks_to_one(uninterrupted, runs):
-    """Saved by 2 ranks under ZeRO-2, resumed by 1 process through DeepSpeed's universal
-    checkpoint, same global batch: losses match the uninterrupted 2-rank run within 2e-4
-    (only the order of floating-point sums differs; see test_train's tolerance note)."""
-    out = runs / "reshard"
-    train(out, [*STEPS, HALF])
-    cmd = [sys.executable, "-m", "llama_train.train", *TINY, f"trainer.output_dir={out}", *STEPS,
-           "trainer.micro_batch=4"]
-    run(cmd, runs / "reshard-1rank.log")
+    """Saved by 2 ranks under ZeRO-2 (the uninterrupted run as it stood at its step-12
+    checkpoint), resumed by 1 process through DeepSpeed's universal checkpoint, same global
+    batch: losses match the uninterrupted 2-rank run within 2e-4 (only the order of
+    floating-point sums differs; see test_launcher_runs.py's tolerance note)."""
+    out = copy_at_step(uninterrupted, runs / "reshard", 12)
+    one_process(out, STEPS, runs / "reshard-1rank.log")
     a, b = losses(out), losses(uninterrupted)
     assert a.keys() == b.keys()
     assert max(abs(a[k] - b[k]) for k in a) < 2e-4, (a, b)

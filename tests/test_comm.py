@@ -20,9 +20,8 @@ import torch.distributed as dist
 
 from llama_train.bench import allreduce as bench
 from llama_train.comm import CommConfig, apply_env, configure_backend, normalize_nccl_algo, ring_all_reduce
-from llama_train.proc import free_port
+from helpers import BIN, REPO, free_port
 
-REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "workers" / "comm_worker.py"
 LAUNCH = REPO / "launch"
 NCCL_VARS = ("NCCL_ALGO", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE")
@@ -254,7 +253,7 @@ def run_launched(cmd: list[str], env_extra: dict | None = None, timeout: int = L
 
 
 def _deepspeed() -> str:
-    exe = Path(sys.executable).parent / "deepspeed"
+    exe = BIN / "deepspeed"
     assert exe.exists(), f"no deepspeed launcher next to {sys.executable}; install the project (make setup)"
     return str(exe)
 

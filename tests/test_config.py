@@ -9,21 +9,14 @@ import time
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from llama_train.config import ConfigError, load_config, resolve_batch
+from llama_train.config import ConfigError, resolve_batch
 from llama_train.optim import lr_at, param_groups
-from llama_train.paths import CONFIG_DIR
 from llama_train.preflight import preflight
 
-from helpers import REPO, TINY
-
-
-def compose_cfg(overrides):
-    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-        return load_config(compose("config", overrides=list(overrides)))
+from helpers import REPO, TINY, compose_cfg
 
 
 # ---------------------------------------------------------------------------------------------

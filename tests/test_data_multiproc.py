@@ -18,10 +18,7 @@ from llama_train.data import TrainLoader
 
 from llama_train.proc import kill_session
 
-from helpers import free_port
-
-REPO = Path(__file__).resolve().parent.parent
-VENV_BIN = Path(sys.executable).parent
+from helpers import BIN, free_port
 
 def write_corpus(path: Path) -> None:
     import pydoc_data.topics as t
@@ -115,7 +112,7 @@ def test_deepspeed_ranks_prepare_and_split_the_stream(tmp_path):
     port = free_port()
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LLAMA_TRAIN_CACHE": str(tmp_path / "cache"),
            "HF_DATASETS_CACHE": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
-    cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(script), str(src), str(out)]
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(script), str(src), str(out)]
     rc, stdout, stderr = _communicate(cmd, env, timeout=300)
     assert rc == 0, stdout[-3000:] + stderr[-3000:]
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]

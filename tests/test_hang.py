@@ -8,11 +8,11 @@ half-way through a checkpoint save, or half-way through loading the checkpoint i
 A stopped rank ends with exit status 5 (the survivor's); a killed one with the launcher's status
 for the killed rank (it reports the first rank it finds dead, and that is the killed one).
 
-Cases run a few at a time (CI time: each waits ``comm.timeout_s`` mostly idle). The default set
-covers every ZeRO stage once, SIGSTOP of rank 1 (the survivor sees its heartbeat stop) and SIGKILL
-of rank 0 (the survivor loses the store's host) each at two stages, plus eval, save and load;
-``LLAMA_TRAIN_HANG_MATRIX=full`` runs all 16 stage x signal x rank combinations (and the three
-phase cases).
+Cases run a few at a time, in one pool with the second test's job, the longest first (CI time:
+each waits ``comm.timeout_s`` mostly idle). The default set covers every ZeRO stage once, SIGSTOP
+of rank 1 (the survivor sees its heartbeat stop) and SIGKILL of rank 0 (the survivor loses the
+store's host) each at two stages, plus eval, save and load; ``LLAMA_TRAIN_HANG_MATRIX=full`` runs
+all 16 stage x signal x rank combinations (and the three phase cases).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Optional
 import psutil
 import pytest
 
-from helpers import (BIN, TINY, dump_stacks, free_port, launcher_cmd, spawn, tail, train,
-                     wait_for)
+from helpers import (BIN, TINY, dump_stacks, free_port, launcher_cmd, rank_pid, spawn, tail,
+                     train, wait_for)
 from llama_train.records import parse_line
 
 TIMEOUT_S = 10
@@ -63,21 +63,6 @@ def _cases():
     cases = FULL if os.environ.get("LLAMA_TRAIN_HANG_MATRIX") == "full" else DEFAULT
     only = os.environ.get("LLAMA_TRAIN_HANG_ONLY")  # e.g. "zero2-stop" while debugging
     return [c for c in cases if not only or only in c.name]
-
-
-def _rank_pid(launcher_pid: int, local_rank: int) -> Optional[int]:
-    try:
-        children = psutil.Process(launcher_pid).children(recursive=True)
-    except psutil.Error:
-        return None
-    for p in children:
-        try:
-            if (f"--local_rank={local_rank}" in p.cmdline()
-                    and "deepspeed.launcher.launch" in " ".join(p.parent().cmdline())):
-                return p.pid
-        except psutil.Error:
-            continue
-    return None
 
 
 def _last_step(out: Path) -> int:
@@ -121,12 +106,12 @@ def _run(case: Case, work: Path) -> dict:
         if case.phase == "train":
             if not wait_for(lambda: _last_step(out) >= 3 or proc.poll() is not None, 300, 0.05):
                 return {**res, "error": "step 3 never logged\n" + tail(log)}
-            pid = _rank_pid(proc.pid, case.rank)
+            pid = rank_pid(proc.pid, case.rank)
             if pid is None or proc.poll() is not None:
                 return {**res, "error": f"no rank {case.rank} to stop\n" + tail(log)}
             os.kill(pid, signal.SIGSTOP if case.how == "stop" else signal.SIGKILL)
         else:  # the rank stops itself: time from when it is seen stopped
-            if not wait_for(lambda: _stopped(_rank_pid(proc.pid, case.rank))
+            if not wait_for(lambda: _stopped(rank_pid(proc.pid, case.rank))
                             or proc.poll() is not None, 300, 0.05):
                 return {**res, "error": "the rank never stopped itself\n" + tail(log)}
             if proc.poll() is not None:
@@ -155,13 +140,65 @@ def _named(case: Case, text: str) -> Optional[int]:
     return None
 
 
-@pytest.mark.slow
-def test_a_hung_or_killed_rank_stops_the_job(tmp_path):
-    cases = _cases()
+def _stuck_loop(work: Path) -> dict:
+    """The job of test_a_stuck_loop_with_a_live_heartbeat_is_named_and_shows_where: rank 1's loop
+    sleeps as step 4 begins (``LLAMA_TRAIN_FAULTS=hang``); once it is stuck, SIGUSR1 to every
+    rank and data worker."""
+    out, log = work / STUCK, work / f"{STUCK}.log"
+    cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", "deepspeed.zero_stage=2",
+                        f"comm.timeout_s={TIMEOUT_S}", "trainer.max_steps=100000"])
+    res = {"log_path": log}
+    with spawn(cmd, log, {"LLAMA_TRAIN_FAULTS": "hang:step=4,rank=1"}) as proc:
+        if not wait_for(lambda: _last_step(out) >= 3 or proc.poll() is not None, 300, 0.05):
+            return {"error": "step 3 never logged\n" + tail(log)}
+        t0 = time.monotonic()
+        time.sleep(1.0)  # rank 1 is in the fault's sleep
+        res["asked"] = dump_stacks(proc, wait_s=0)
+        try:
+            res["rc"] = proc.wait(timeout=BUDGET_S + 60)
+        except Exception:  # noqa: BLE001 - still running: spawn kills it
+            res["rc"] = None
+        res["seconds"] = time.monotonic() - t0
+    res["log"] = log.read_text(errors="replace")
+    return res
+
+
+STUCK = "zero2-hang-rank1-train"  # the stuck loop's job
+
+
+def _longest_first(job) -> int:
+    """The jobs that take longest start first: the load case trains its checkpoint before its
+    own launch; the stuck loop and the SIGSTOPs wait out a timeout; a SIGKILL is seen at once."""
+    if job == STUCK:
+        return 2
+    return 3 if job.phase == "load" else 1 if job.how == "stop" else 0
+
+
+@pytest.fixture(scope="module")
+def jobs(request, tmp_path_factory) -> dict:
+    """The launched jobs of this module's selected tests, all in one pool, PARALLEL at a time
+    (each waits a timeout mostly idle): job name -> its result."""
+    selected = {item.originalname for item in request.session.items
+                if item.module is request.module}
+    todo = []
+    if "test_a_hung_or_killed_rank_stops_the_job" in selected:
+        todo += _cases()
+    if "test_a_stuck_loop_with_a_live_heartbeat_is_named_and_shows_where" in selected:
+        todo.append(STUCK)
+    todo.sort(key=_longest_first, reverse=True)
+    work = tmp_path_factory.mktemp("hang")
     with ThreadPoolExecutor(PARALLEL) as pool:
-        results = list(pool.map(lambda c: _run(c, tmp_path), cases))
+        results = pool.map(lambda job: _stuck_loop(work) if job == STUCK else _run(job, work),
+                           todo)
+        return {(job if job == STUCK else job.name): res for job, res in zip(todo, results)}
+
+
+@pytest.mark.slow
+def test_a_hung_or_killed_rank_stops_the_job(jobs):
+    cases = _cases()
     problems, rows = [], []
-    for case, res in zip(cases, results):
+    for case in cases:
+        res = jobs[case.name]
         if "error" in res:
             problems.append(f"{case.name}: {res['error']}")
             continue
@@ -200,7 +237,7 @@ def test_a_hung_or_killed_rank_stops_the_job(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_stuck_loop_with_a_live_heartbeat_is_named_and_shows_where(tmp_path):
+def test_a_stuck_loop_with_a_live_heartbeat_is_named_and_shows_where(jobs):
     """A rank whose loop stops while its threads run on (``LLAMA_TRAIN_FAULTS=hang``: rank 1
     sleeps as step 4 begins) keeps its heartbeat, so its watchdog peers see nothing: the
     collective timeout (``comm.timeout_s`` + 5) fails rank 0, which names rank 1 (it did not
@@ -211,22 +248,13 @@ def test_a_stuck_loop_with_a_live_heartbeat_is_named_and_shows_where(tmp_path):
     SIGKILL, 30 s after its SIGTERM, comes first and rank 1 prints nothing.
 
     While it is stuck, SIGUSR1 to each rank and data worker (what tests/helpers.run sends a job
-    that outlives its limit) prints their stacks and nothing else changes."""
-    out, log = tmp_path / "run", tmp_path / "run.log"
-    cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", "deepspeed.zero_stage=2",
-                        f"comm.timeout_s={TIMEOUT_S}", "trainer.max_steps=100000"])
-    with spawn(cmd, log, {"LLAMA_TRAIN_FAULTS": "hang:step=4,rank=1"}) as proc:
-        assert wait_for(lambda: _last_step(out) >= 3 or proc.poll() is not None, 300, 0.05), \
-            tail(log)
-        t0 = time.monotonic()
-        time.sleep(1.0)  # rank 1 is in the fault's sleep
-        asked = dump_stacks(proc, wait_s=0)
-        try:
-            rc = proc.wait(timeout=BUDGET_S + 60)
-        except Exception:  # noqa: BLE001 - still running: spawn kills it
-            rc = None
-        seconds = time.monotonic() - t0
-    text = log.read_text(errors="replace")
+    that outlives its limit) prints their stacks and nothing else changes.
+
+    Its job runs in the module's pool, beside test_a_hung_or_killed_rank_stops_the_job's."""
+    res = jobs[STUCK]
+    assert "error" not in res, res.get("error")
+    rc, seconds, asked, text = res["rc"], res["seconds"], res["asked"], res["log"]
+    log = res["log_path"]
     print(f"\nhang:step=4,rank=1: exit {rc} {seconds:.1f} s after step 3 was logged")
     assert rc == 5, (rc, tail(log, 200))
     assert re.search(r"lost contact with the job at step \d+: rank\(s\) 1 did not check in",

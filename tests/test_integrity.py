@@ -1,7 +1,7 @@
 """One output_dir, one history (issue 12): corrupt checkpoints, resume=never in a used directory,
 two jobs on one directory, resuming under another config (docs/reliability.md, section 7).
 
-In-process tier (a world of one, as tests/test_trainer.py) for the decisions; the launcher for
+In-process tier (a world of one, as tests/test_loop.py) for the decisions; the launcher for
 what needs ranks: a second 2-rank job refused while the first runs, a kill -9'd holder's lock
 taken over, and all ranks exiting 3 when no checkpoint verifies.
 """
@@ -20,17 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (TINY, cfg_for, launcher_cmd, losses, metrics, rows, spawn, step_rows, tail,
-                     train as launch, wait_for, world_of_one)
+from helpers import (TINY, cfg_for, launcher_cmd, losses_so_far, metrics, rows, spawn, step_rows,
+                     tail, train as launch, wait_for)
 from llama_train.checkpoint import CheckpointError, find_latest
 from llama_train.config import ConfigError
 from llama_train.train import train
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank():
-    with world_of_one():
-        yield
+pytestmark = pytest.mark.usefixtures("one_rank")  # conftest.py: a world of one
 
 
 def snapshot(out: Path) -> dict:
@@ -243,7 +240,7 @@ def test_second_job_refused_dead_holder_relaunch_and_corrupt_history(tmp_path):
             "deepspeed.zero_stage=2"]
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
     with spawn(launcher_cmd([*TINY, f"trainer.output_dir={out}", *args]), first_log) as first:
-        assert wait_for(lambda: max(_losses(out), default=0) >= 2, 240, 0.1), tail(first_log)
+        assert wait_for(lambda: max(losses_so_far(out), default=0) >= 2, 240, 0.1), tail(first_log)
         t0 = time.monotonic()
         with spawn(launcher_cmd([*TINY, f"trainer.output_dir={out}", *args]),
                    second_log) as second:
@@ -257,10 +254,10 @@ def test_second_job_refused_dead_holder_relaunch_and_corrupt_history(tmp_path):
                f"since" in text, tail(second_log)
         assert "process group up" not in text and "Traceback" not in text
         assert first.poll() is None  # the first job runs on
-        assert wait_for(lambda: max(_losses(out), default=0) >= 12, 240, 0.1), tail(first_log)
+        assert wait_for(lambda: max(losses_so_far(out), default=0) >= 12, 240, 0.1), tail(first_log)
         os.killpg(first.pid, signal.SIGKILL)  # kill -9 of the holder: its lock must not block
         first.wait(timeout=60)
-    killed_at = max(_losses(out))
+    killed_at = max(losses_so_far(out))
     latest = find_latest(out / "checkpoints")[0]
     t0 = time.monotonic()
     launch(out, [*args, "trainer.steps_this_run=2"], log_name="relaunch.log")
@@ -286,13 +283,6 @@ def test_second_job_refused_dead_holder_relaunch_and_corrupt_history(tmp_path):
     assert snapshot(out) == before
 
 
-def _losses(out: Path) -> dict:
-    try:
-        return losses(out)
-    except (json.JSONDecodeError, FileNotFoundError):
-        return {}
-
-
 def _mount(*args: str) -> str:
     proc = subprocess.run(["mount", *args], capture_output=True, text=True)
     return "" if proc.returncode == 0 else (proc.stderr.strip() or f"mount exit {proc.returncode}")
@@ -316,7 +306,7 @@ def test_output_dir_turning_read_only_mid_run(tmp_path):
         cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", "trainer.max_steps=100000",
                             "trainer.save_every=100000", "comm.timeout_s=20"])
         with spawn(cmd, log) as proc:
-            assert wait_for(lambda: max(_losses(out), default=0) >= 5 or proc.poll() is not None,
+            assert wait_for(lambda: max(losses_so_far(out), default=0) >= 5 or proc.poll() is not None,
                             240, 0.05), tail(log)
             # a read-only mount stacked on the directory: the job's open files (its lock) stay
             # on the mount below, every new open goes through this one
@@ -336,6 +326,6 @@ def test_output_dir_turning_read_only_mid_run(tmp_path):
         launch(out, ["trainer.max_steps=5"], log_name="third.log")
         assert [r["checkpoint"] for r in metrics(out) if r.get("event") == "resume"][-1] \
             == str(ckpt)
-        assert max(_losses(out)) == 5
+        assert max(losses_so_far(out)) == 5
     finally:
         subprocess.run(["umount", "-l", str(out)], capture_output=True)

@@ -250,9 +250,8 @@ def test_mixture_zero3_resumes_exactly_after_a_rank_dies(sources, small, tmp_pat
     the uninterrupted run's bit for bit. The step-4 checkpoint also resumes on 1 rank (another
     world size: the same windows, losses within the reduction-order tolerance)."""
     import shutil
-    import sys
 
-    from helpers import assert_losses_close, losses, metrics, run, train as launch
+    from helpers import assert_losses_close, losses, metrics, one_process, train as launch
 
     _, _, code, _ = sources
     args = [_mixture_override(code, small), *MIXED, "trainer.max_steps=6",
@@ -269,10 +268,7 @@ def test_mixture_zero3_resumes_exactly_after_a_rank_dies(sources, small, tmp_pat
     trained = {r["step"]: r["mixture_tokens"] for r in metrics(ref) if "loss" in r}
     resumed = {r["step"]: r["mixture_tokens"] for r in metrics(cut) if "loss" in r}
     assert resumed == trained
-    from helpers import TINY
-
-    run([sys.executable, "-m", "llama_train.train", *TINY, *args, f"trainer.output_dir={one}",
-         "trainer.micro_batch=4", f"trainer.resume={tmp_path / 'step4'}"], tmp_path / "one.log")
+    one_process(one, [*args, f"trainer.resume={tmp_path / 'step4'}"], tmp_path / "one.log")
     on_one = {r["step"]: r for r in metrics(one) if "loss" in r}
     assert sorted(on_one) == [5, 6]
     assert_losses_close({k: v["loss"] for k, v in on_one.items()},

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (REPO, TINY, _env, launcher_cmd, losses, metrics, spawn, tail, train,
-                     wait_for)
+from helpers import (REPO, TINY, _env, launcher_cmd, losses, losses_so_far, metrics, rank_pid,
+                     spawn, tail, tiny_prepared, train, wait_for)
 from llama_train.checkpoint import find_latest, load_consolidated, read_state
 
 FAULTS = "nan:batch=3;nan:batch=6;nan:batch=7;loss_scale:batch=9,factor=1000"
@@ -38,7 +38,7 @@ SCENARIO = [f"trainer.max_steps={STEPS}", "trainer.save_every=1", "trainer.keep_
             "recovery.spike_warmup_steps=2"]
 G = 4  # 2 ranks x micro batch 2
 WINDOWS = [[5 * G, 7 * G], [8 * G, 9 * G]]  # batches 6-7 (NaN streak) and 9 (spike)
-TOL = 2e-4  # ZeRO-0 vs ZeRO-2: only the order of float sums differs (see test_train.py)
+TOL = 2e-4  # ZeRO-0 vs ZeRO-2: only the order of float sums differs (see test_launcher_runs.py)
 
 
 def _ckpt(out: Path, step: int) -> Path:
@@ -79,15 +79,7 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prepared():
     """The tiny config and its prepared data (what the launched runs train on)."""
-    from hydra import compose, initialize_config_dir
-
-    from llama_train.data import prepare_data
-    from llama_train.paths import CONFIG_DIR
-    from llama_train.config import load_config
-
-    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-        cfg = load_config(compose("config", overrides=list(TINY)))
-    return cfg, prepare_data(cfg.data, vocab_size=cfg.model.vocab_size)
+    return tiny_prepared()
 
 
 def _batch_loss(prepared, ckpt: Path, batch: int) -> float:
@@ -257,27 +249,6 @@ def test_kill_9_drill(reference, runs):
 # 2 + 4 + 6: one rank dies, then a disk fills up during a save, then a tampered checkpoint
 
 
-def _rank_pid(launcher_pid: int, local_rank: int) -> int:
-    import psutil
-
-    for p in psutil.Process(launcher_pid).children(recursive=True):
-        try:
-            parent = " ".join(p.parent().cmdline())
-            if (f"--local_rank={local_rank}" in p.cmdline()
-                    and "deepspeed.launcher.launch" in parent):
-                return p.pid
-        except psutil.Error:
-            continue
-    raise AssertionError(f"no rank {local_rank} under launcher {launcher_pid}")
-
-
-def _safe_losses(out: Path) -> dict:
-    try:
-        return losses(out)
-    except (json.JSONDecodeError, FileNotFoundError):
-        return {}
-
-
 @pytest.mark.slow
 def test_rank_death_then_disk_full_then_tampered_checkpoint(reference, runs):
     out = runs / "chain"
@@ -288,8 +259,10 @@ def test_rank_death_then_disk_full_then_tampered_checkpoint(reference, runs):
     log1 = runs / "chain-1-rank-killed.log"
     with spawn(launcher_cmd([*TINY, f"trainer.output_dir={out}", "deepspeed.zero_stage=2",
                              *SCENARIO]), log1, env) as proc:
-        assert wait_for(lambda: max(_safe_losses(out), default=0) >= 4, 240, 0.02), tail(log1)
-        os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
+        assert wait_for(lambda: max(losses_so_far(out), default=0) >= 4, 240, 0.02), tail(log1)
+        pid = rank_pid(proc.pid, 1)
+        assert pid is not None, f"no rank 1 under launcher {proc.pid}"
+        os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
         rc = proc.wait(timeout=120)
         seconds = time.monotonic() - t0
@@ -488,7 +461,7 @@ def test_bad_data_is_refused_before_the_process_group(case, bad_inputs, monkeypa
     import torch.distributed as dist
 
     from llama_train.preflight import preflight
-    from test_config import compose_cfg
+    from helpers import compose_cfg
 
     root, cases = bad_inputs
     overrides, needle = cases[case]

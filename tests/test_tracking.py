@@ -19,16 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import BIN, REPO, cfg_for, rows, step_rows, world_of_one
+from helpers import BIN, REPO, cfg_for, rows, step_rows
 from llama_train.config import TensorBoardConfig, TrackingConfig, WandbConfig
 from llama_train.tracking import Tracker, offline_run_dirs
 from llama_train.train import train
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank():
-    with world_of_one():
-        yield
+pytestmark = pytest.mark.usefixtures("one_rank")  # conftest.py: a world of one
 
 
 @pytest.fixture

@@ -5,8 +5,9 @@ Hugging Face export, ``trainer.init_from``, the end-of-run sample, and CPU offlo
 and optimizer.
 
 Tolerances: a resume on the same world size must be bit-identical. A run on another world size
-sums gradients in another order (see tests/test_train.py's note): 2e-4. Step 1's loss comes from
-the initial weights before any update, so it differs only by the order of the loss sum: 1e-6.
+sums gradients in another order (see tests/test_launcher_runs.py's note): 2e-4. Step 1's loss
+comes from the initial weights before any update, so it differs only by the order of the loss
+sum: 1e-6.
 """
 
 from __future__ import annotations
@@ -18,27 +19,19 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, assert_losses_close, TINY, copy_at_step, losses, metrics, run, tail, train
+from helpers import (REPO, ZERO3, assert_losses_close, copy_at_step, losses, metrics, one_process,
+                     resumed_from, tail, train)
 
 pytestmark = pytest.mark.slow
 
 TOL = 2e-4
-Z3 = ["deepspeed.zero_stage=3", "trainer.max_steps=8", "trainer.save_every=4",
-      "trainer.eval_every=8"]
+Z3 = ZERO3  # 6 steps, a checkpoint every 2, evaluated at the end
 OFFLOAD = ["deepspeed.offload_params=true", "deepspeed.offload_optimizer=true"]
-HALF = "trainer.steps_this_run=4"
+HALF = "trainer.steps_this_run=2"
 
 
 def _close(a, b, tol=TOL):
     assert_losses_close(a, b, tol)
-
-
-def one_process(out, overrides, log):
-    """Plain ``python -m llama_train.train``: a world of one (micro-batch 4 keeps the global
-    batch of 2 ranks x 2)."""
-    cmd = [sys.executable, "-m", "llama_train.train", *TINY, f"trainer.output_dir={out}",
-           "trainer.micro_batch=4", *overrides]
-    run(cmd, log)
 
 
 @pytest.fixture(scope="module")
@@ -47,23 +40,23 @@ def runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(runs):
-    """8 uninterrupted ZeRO-3 steps on 2 ranks."""
-    out = runs / "reference"
-    train(out, Z3)
-    return out
+def reference(zero3_run):
+    """6 uninterrupted ZeRO-3 steps on 2 ranks (conftest.py: the run test_launcher_runs.py
+    compares with ZeRO-0); never written to here."""
+    return zero3_run
 
 
 @pytest.fixture(scope="module")
 def half(reference, runs):
-    """The same run as it stood after 4 steps (checkpoint step 4), kept untouched for copies."""
-    return copy_at_step(reference, runs / "half", 4)
+    """The same run as it stood after 2 steps (checkpoint step 2), kept untouched for copies."""
+    return copy_at_step(reference, runs / "half", 2)
 
 
 def test_resume_is_bit_identical_and_sample_agrees(reference, half, runs):
     out = runs / "resumed"
     shutil.copytree(half, out)
     train(out, Z3, log_name="resume.log")
+    assert resumed_from(out) == [str(out / "checkpoints" / "step_00000002")]
     assert losses(out) == losses(reference)
     assert [r["val_loss"] for r in metrics(out) if "val_loss" in r] == \
         [r["val_loss"] for r in metrics(reference) if "val_loss" in r]
@@ -81,7 +74,7 @@ def test_step1_loss_does_not_depend_on_world_size(reference, runs):
 
 
 def test_reshard_two_ranks_to_one(reference, half, runs):
-    """Through DeepSpeed's universal checkpoint: 2 -> 1 from the 2-rank checkpoint at step 4.
+    """Through DeepSpeed's universal checkpoint: 2 -> 1 from the 2-rank checkpoint at step 2.
     With our two param groups (decayed matrices; norms and embedding without decay) this needs
     Engine.load's repair of DeepSpeed's ZeRO-3 universal load (shared Adam step, first group's
     hyperparameters for all): without it the losses drifted by 2e-5, then 1e-3."""
@@ -93,10 +86,11 @@ def test_reshard_two_ranks_to_one(reference, half, runs):
 
 
 def test_reshard_one_rank_to_two(reference, runs):
-    """1 -> 2 from a one-process run's checkpoint at step 4."""
+    """1 -> 2 from a one-process run's checkpoint at step 2."""
     to_two = runs / "to_two"
     one_process(to_two, [*Z3, HALF], runs / "to_two-1.log")
     train(to_two, Z3, log_name="resume.log")
+    assert resumed_from(to_two) == [str(to_two / "checkpoints" / "step_00000002")]
     _close(losses(to_two), losses(reference))
 
 
@@ -133,8 +127,9 @@ def test_offload_trains_resumes_exactly_and_exports(reference, runs, tmp_path):
     full = runs / "offload"
     train(full, [*Z3, *OFFLOAD], timeout=600)
     _close(losses(full), losses(reference))
-    part = copy_at_step(full, runs / "offload_resumed", 4)
+    part = copy_at_step(full, runs / "offload_resumed", 2)
     train(part, [*Z3, *OFFLOAD], log_name="resume.log")
+    assert resumed_from(part) == [str(part / "checkpoints" / "step_00000002")]
     assert losses(part) == losses(full)
     hf_dir = tmp_path / "hf"
     subprocess.run([sys.executable, "-c", "from llama_train.hf import export_main; export_main()",

@@ -14,17 +14,14 @@ import time
 
 import pytest
 
-from helpers import cfg_for, rows, step_rows, world_of_one
+from helpers import cfg_for, rows, step_rows
 from llama_train.checkpoint import find_latest, read_state
 from llama_train.hooks import Hook
 from llama_train.optim import lr_at
 from llama_train.train import train
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank():
-    with world_of_one():
-        yield
+pytestmark = pytest.mark.usefixtures("one_rank")  # conftest.py: a world of one
 
 
 @pytest.fixture

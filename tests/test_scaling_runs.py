@@ -8,20 +8,12 @@ import math
 import sys
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from helpers import REPO, TINY, launcher_cmd, run
+from helpers import REPO, TINY, compose_cfg, launcher_cmd, run
 from llama_train.config import resolve_batch
-from llama_train.paths import CONFIG_DIR
 from llama_train.scaling import compute_optimal, inference_optimal
-from llama_train.config import load_config
 from llama_train.preflight import plan_experiment
 from llama_train.records import RunInfo
-
-
-def _cfg(overrides):
-    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-        return load_config(compose("config", overrides=list(overrides)))
 
 
 @pytest.mark.parametrize("experiment,extra", [
@@ -31,7 +23,7 @@ def _cfg(overrides):
 def test_experiment_sets_shape_and_steps(experiment, extra):
     from llama_train.model import count_params
 
-    given = _cfg([f"experiment={experiment}", "scaling.flops=3e14", "model.vocab_size=2048",
+    given = compose_cfg([f"experiment={experiment}", "scaling.flops=3e14", "model.vocab_size=2048",
                   *extra])
     cfg, exp = plan_experiment(given, 1)
     assert given.trainer.max_steps != cfg.trainer.max_steps  # the plan is a new config
@@ -47,8 +39,8 @@ def test_experiment_sets_shape_and_steps(experiment, extra):
 
 
 def test_inference_optimal_is_smaller_and_longer():
-    co, io = _cfg(["experiment=compute_optimal", "scaling.flops=3e14"]), \
-        _cfg(["experiment=inference_optimal", "scaling.flops=3e14",
+    co, io = compose_cfg(["experiment=compute_optimal", "scaling.flops=3e14"]), \
+        compose_cfg(["experiment=inference_optimal", "scaling.flops=3e14",
               "scaling.inference_tokens=1e10"])
     (co, _), (io, _) = plan_experiment(co, 1), plan_experiment(io, 1)
     from llama_train.model import count_params

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (REPO, TINY, assert_losses_close, free_port, losses, metrics, run, spawn,
-                     tail, train)
+from helpers import (REPO, TINY, assert_losses_close, free_port, losses, metrics, one_process,
+                     spawn, tail, train)
 from llama_train.records import RunInfo
 
 TOL = 2e-4
@@ -70,11 +70,15 @@ def test_baseline_run_is_complete(baseline):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_agree(stage, baseline, runs):
+def test_zero_stages_agree(stage, baseline, runs, request):
     """Same trajectory at every stage; step 1 (before any update) shows that every stage starts
-    from the same weights, ZeRO-3's built partitioned: equal up to the order of the loss sum."""
-    out = runs / f"zero{stage}"
-    train(out, [f"deepspeed.zero_stage={stage}"])
+    from the same weights, ZeRO-3's built partitioned: equal up to the order of the loss sum.
+    (ZeRO-3: conftest.py's zero3_run, which tests/test_zero3.py resumes and reshards.)"""
+    if stage == 3:
+        out = request.getfixturevalue("zero3_run")
+    else:
+        out = runs / f"zero{stage}"
+        train(out, [f"deepspeed.zero_stage={stage}"])
     _close(losses(out), losses(baseline))
     assert abs(losses(out)[1] - losses(baseline)[1]) < 1e-6
     _same_val(out, baseline)
@@ -91,9 +95,7 @@ def test_grad_accumulation_matches_micro_batch(baseline, runs):
 def test_single_process_matches_two_ranks(baseline, runs):
     """No launcher: one process with the same global batch continues the same global data."""
     out = runs / "single"
-    cmd = [sys.executable, "-m", "llama_train.train", *TINY, f"trainer.output_dir={out}",
-           "trainer.micro_batch=4"]
-    run(cmd, runs / "single.log")
+    one_process(out, [], runs / "single.log")
     _close(losses(out), losses(baseline))
     _same_val(out, baseline)  # 1 rank in batches of 4, against 2 ranks in batches of 2
 
