@@ -19,20 +19,18 @@ MAY_CHANGE = "may_change"  # speed, layout, intervals, sinks: the change is logg
 PER_LAUNCH = "per_launch"  # how this launch runs (paths, resume controls): never compared
 
 
-def _marked(kind: str, default: Any, factory: Optional[Callable[[], Any]], doc: str) -> Any:
-    meta = {KEY: kind, **({"why": doc} if doc else {})}
+def _marked(kind: str, default: Any, factory: Optional[Callable[[], Any]]) -> Any:
+    meta = {KEY: kind}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
 
 
-def may_change(default: Any = MISSING, *, factory: Optional[Callable[[], Any]] = None,
-               why: str = "") -> Any:
+def may_change(default: Any = MISSING, *, factory: Optional[Callable[[], Any]] = None) -> Any:
     """A field that may differ from the checkpoint's on resume (the change is logged)."""
-    return _marked(MAY_CHANGE, default, factory, why)
+    return _marked(MAY_CHANGE, default, factory)
 
 
-def per_launch(default: Any = MISSING, *, factory: Optional[Callable[[], Any]] = None,
-               why: str = "") -> Any:
+def per_launch(default: Any = MISSING, *, factory: Optional[Callable[[], Any]] = None) -> Any:
     """A field that says how this launch runs, not what the run is: never compared."""
-    return _marked(PER_LAUNCH, default, factory, why)
+    return _marked(PER_LAUNCH, default, factory)
