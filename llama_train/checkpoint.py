@@ -10,12 +10,16 @@ Layout under ``<output_dir>/checkpoints``::
       model_args.json            ModelArgs, so the checkpoint describes itself
       tokenizer.model            the sentencepiece model the data was encoded with
       manifest.json              size and sha256 of every file above (written last)
+      universal/                 DeepSpeed's universal format, converted on a resume with a new
+        manifest.json            world size; its own manifest, verified before every load
     latest                       name of the newest complete checkpoint (a hint; the scan decides)
 
 A checkpoint counts only if its directory has the final name and its manifest verifies, so a
-save cut by ``kill -9`` or a full disk is never picked up, and a corrupted one is skipped.
-A save that fails on any rank fails on all of them, removes its partial directory and leaves the
-``latest`` hint alone.
+save cut by ``kill -9`` or a full disk is never picked up, and a corrupted one is skipped. No
+load reads a file its manifest lacks (DeepSpeed finds its shards by name). A save that fails on
+any rank fails on all of them, removes its partial directory and leaves the ``latest`` hint
+alone; a save is refused outright when the weights are not finite or the tokenizer copied into it
+is not the one the data was encoded with, so a manifest never vouches for either.
 
 Untrusted files: the manifest's sha256 is checked before anything in a checkpoint is unpickled,
 and every ``torch.load`` of a checkpoint (DeepSpeed's own included) runs with torch's restricted
@@ -39,7 +43,8 @@ import numpy as np
 import torch
 
 from llama_train.config import ConfigError
-from llama_train.engine.ds_checkpoint import consolidate_fp32, convert_to_universal
+from llama_train.engine.ds_checkpoint import (consolidate_fp32, convert_to_universal, failed_file,
+                                              load_error_cause)
 from llama_train.hooks import Hook
 from llama_train.util import fsync_dir, fsync_tree
 
@@ -53,6 +58,18 @@ UNIVERSAL_TAG = "universal"
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved, found or loaded (exit 3)."""
+
+
+class NotACheckpoint(ConfigError):
+    """A path given as a checkpoint holds none at all, complete or not: bad input (exit 2)."""
+
+
+class _SaveRefused(Exception):
+    """A save that must not happen (its ``fix`` says what to do instead of freeing space)."""
+
+    def __init__(self, what: str, fix: str):
+        super().__init__(what)
+        self.fix = fix
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,15 +122,29 @@ def write_manifest(ckpt: Path, checksums: bool) -> Dict[str, Any]:
     return manifest
 
 
-def verify(ckpt: Path, checksums: bool = True) -> Optional[str]:
-    """None if the checkpoint is complete and intact, else the reason it is not."""
+# Where a load reads every file it finds (DeepSpeed picks its shards by name): a file there that
+# the manifest lacks would be loaded as part of the checkpoint without any check.
+LOADED_DIRS = (DS_TAG, "ranks")
+
+
+def verify(ckpt: Path, checksums: bool = True,
+           loaded: Sequence[str] = LOADED_DIRS) -> Optional[str]:
+    """None if the checkpoint is complete and intact, else the reason it is not. ``loaded``:
+    directories under ``ckpt`` ("" for all of it) where every file must be in the manifest."""
     mpath = ckpt / MANIFEST
     if not mpath.is_file():
         return "no manifest.json (the save did not finish)"
     try:
         files = json.loads(mpath.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         return f"unreadable manifest ({e})"
+    for d in loaded:
+        base = ckpt / d if d else ckpt
+        for p in sorted(base.rglob("*")) if base.is_dir() else ():
+            rel = p.relative_to(ckpt).as_posix()
+            if p.is_file() and rel != MANIFEST and rel not in files:
+                return (f"{rel} is not in its manifest (no save wrote it, and a load would read "
+                        f"it): remove it, or restore the checkpoint")
     for rel, info in files.items():
         p = ckpt / rel
         if not p.is_file():
@@ -146,20 +177,60 @@ def find_latest(root: Path, checksums: bool = True) -> Tuple[Optional[Path], Lis
     return None, warnings
 
 
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint at all, complete or not: a directory holding what a save
+    writes first (DeepSpeed's ``ds/``, ``ranks/``) or last (trainer_state.json, the manifest)."""
+    return path.is_dir() and any((path / n).exists() for n in (STATE, MANIFEST, DS_TAG, "ranks"))
+
+
+def require_checkpoint(path: Path, what: str) -> None:
+    """Raise :class:`NotACheckpoint` (bad input, exit 2) unless ``path`` is a checkpoint at all;
+    a checkpoint that is incomplete or damaged is the loader's to refuse (exit 3)."""
+    if is_checkpoint(path):
+        return
+    if not path.exists():
+        found = "it does not exist"
+    elif not path.is_dir():
+        found = "it is not a directory"
+    else:
+        found = f"it has no {STATE}, {MANIFEST} or {DS_TAG}/"
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    inner = _step_dirs(root) if path.is_dir() else []
+    hint = (f" It holds checkpoints: give one of them (the newest is {inner[0]}), or continue "
+            f"that run with trainer.resume=auto and its trainer.output_dir." if inner else "")
+    raise NotACheckpoint(
+        f"{what}={path} is not a checkpoint: {found}.{hint} A checkpoint is a directory "
+        f"<output_dir>/checkpoints/step_NNNNNNNN written by llama-train.")
+
+
 def resume_candidate(output_dir: str, resume: str) -> Optional[Path]:
     """The checkpoint a resume will most likely load, found by reading files only (sizes, no
     checksums): preflight compares its config with the run's before data preparation and the
-    process group. None for a fresh start. The trainer still verifies and checks what it loads."""
+    process group. None for a fresh start. The trainer still verifies and checks what it loads.
+    An explicit path that is no checkpoint at all is bad input (:class:`NotACheckpoint`)."""
     if resume == "never":
         return None
     if resume != "auto":
+        require_checkpoint(Path(resume), "trainer.resume")
         return Path(resume) if verify(Path(resume), checksums=False) is None else None
     path, _ = find_latest(Path(output_dir) / "checkpoints", checksums=False)
     return path
 
 
 def read_state(ckpt: Path) -> Dict[str, Any]:
-    return json.loads((ckpt / STATE).read_text())
+    """trainer_state.json; CheckpointError naming it when it cannot be read as one."""
+    path = Path(ckpt) / STATE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8
+        state, why = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}"
+    else:
+        why = f"a JSON {type(state).__name__}, not an object"
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"{path} cannot be read ({why}): the checkpoint is damaged or was not written by "
+            f"llama-train; use another checkpoint.")
+    return state
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,9 +249,15 @@ def existing_history(output_dir: str, metrics_file: str) -> List[str]:
     found = [p.name for p in _step_dirs(out / "checkpoints")]
     found = [f"checkpoints/{n}" for n in reversed(found)]
     metrics = out / metrics_file
-    if metrics.is_file() and metrics.stat().st_size > 0:
+    if _inside(metrics, out) and metrics.is_file() and metrics.stat().st_size > 0:
         found.append(metrics_file)
     return found
+
+
+def _inside(path: Path, out: Path) -> bool:
+    """Whether ``path`` lies in ``out`` (lexically: a link is not followed out of it)."""
+    out = Path(os.path.abspath(out))
+    return out in Path(os.path.abspath(path)).parents
 
 
 def set_aside_history(output_dir: str, mode: str, extra: Tuple[str, ...] = ()) -> Optional[Path]:
@@ -189,10 +266,13 @@ def set_aside_history(output_dir: str, mode: str, extra: Tuple[str, ...] = ()) -
     import time
 
     out = Path(output_dir)
-    present = [out / n for n in (*RUN_FILES, *extra) if (out / n).exists()]
+    # only what lies inside the output dir is its history (an absolute metrics file or W&B
+    # dir elsewhere is never moved or deleted), and a link is moved or deleted as a link
+    present = [out / n for n in (*RUN_FILES, *extra)
+               if _inside(out / n, out) and ((out / n).exists() or (out / n).is_symlink())]
     if mode == "overwrite":
         for p in present:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         return None
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     dest, n = out / ARCHIVE / stamp, 1
@@ -227,7 +307,9 @@ class CheckpointManager:
 
         name = f"step_{step:08d}"
         final, tmp = self.root / name, self.root / f".tmp-{name}"
+        self._refuse_nonfinite(engine, step, final)
         error: Optional[str] = None
+        fix: Optional[str] = None  # what to do, when it is not "free space" (agreed with error)
         try:
             if self.rank == 0:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -261,19 +343,24 @@ class CheckpointManager:
                     shutil.rmtree(final)
                 os.rename(tmp, final)
                 fsync_dir(self.root)
+            except _SaveRefused as e:
+                error, fix = f"rank 0: {e}", e.fix
             except Exception as e:  # noqa: BLE001
                 error = f"rank 0: {type(e).__name__}: {e}"
-        error = _agree(error)
-        if error is not None:
+        agreed = _agree((error, fix) if error is not None else None)
+        if agreed is not None:
+            error, fix = agreed
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             previous, _ = find_latest(self.root, checksums=False)
             left = " (could not remove it: remove it by hand)" if tmp.exists() else ""
+            space = "" if fix else _space_note(self.root, previous)
             raise CheckpointError(
-                f"saving checkpoint {final} failed ({error}){_space_note(self.root, previous)}. "
+                f"saving checkpoint {final} failed ({error}){space}. "
                 f"The partial save {tmp} was removed{left}; earlier checkpoints are intact, the "
-                f"newest is {previous or 'none'}. Free space or fix permissions in {self.root}, "
-                f"then relaunch: it resumes from the newest (trainer.resume=auto)."
+                f"newest is {previous or 'none'}. "
+                + (fix or f"Free space or fix permissions in {self.root}, then relaunch: it "
+                          f"resumes from the newest (trainer.resume=auto).")
             )
         if self.rank == 0:
             try:  # only a hint (the scan decides): failing to update it loses nothing
@@ -287,6 +374,21 @@ class CheckpointManager:
         dist.barrier()
         return final
 
+    def _refuse_nonfinite(self, engine, step: int, final: Path) -> None:
+        """Every rank checks the weights it holds (its ZeRO partitions); if any rank finds a
+        NaN or inf, all refuse the save before writing anything: a checkpoint that vouches for
+        non-finite weights would replace good ones under keep_last and could never train."""
+        bad = _agree(None if engine.weights_finite() else f"rank {self.rank}")
+        if bad is None:
+            return
+        previous, _ = find_latest(self.root, checksums=False)
+        raise CheckpointError(
+            f"refusing to save checkpoint {final}: the weights at step {step} are not finite "
+            f"(NaN or inf, found on {bad}), and a checkpoint of them could never train again. "
+            f"Nothing was written; earlier checkpoints are intact, the newest is "
+            f"{previous or 'none'}. The run diverged: lower optim.lr or look at the data of the "
+            f"last steps, then relaunch: it resumes from the newest (trainer.resume=auto).")
+
     def _describe(self, ckpt: Path, describe: Dict[str, Any]) -> None:
         from omegaconf import OmegaConf
 
@@ -294,7 +396,26 @@ class CheckpointManager:
         (ckpt / "model_args.json").write_text(json.dumps(describe["model_args"], indent=1))
         tok = describe.get("tokenizer")
         if tok:
-            shutil.copyfile(tok, ckpt / "tokenizer.model")
+            copy = ckpt / "tokenizer.model"
+            shutil.copyfile(tok, copy)
+            self._check_tokenizer(Path(tok), copy, describe.get("tokenizer_sha256"))
+
+    def _check_tokenizer(self, source: Path, copy: Path, want: Optional[str]) -> None:
+        """The copy must be the tokenizer the data was encoded with (meta.json's sha256): the
+        manifest would vouch for whatever was copied, and keep_last would prune the good
+        checkpoints, leaving a run that can be neither resumed nor exported."""
+        got = _sha256(copy) if want else None
+        if got is None or got == want:
+            return
+        previous, _ = find_latest(self.root, checksums=False)
+        good = (f"from {previous / 'tokenizer.model'} (a verified copy)" if previous else
+                "from where it came (data.tokenizer), or prepare the data again")
+        raise _SaveRefused(
+            f"the tokenizer {source} has sha256 {got[:12]}, but the data was encoded with "
+            f"sha256 {want[:12]} (the prepared data's meta.json): the file changed during the "
+            f"run, and a checkpoint must not vouch for it",
+            f"Put the tokenizer back: restore {source} {good}; then relaunch: it resumes from "
+            f"the newest (trainer.resume=auto).")
 
     def _prune(self) -> None:
         for old in _step_dirs(self.root)[self.keep_last:]:
@@ -320,8 +441,8 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 choice = [*self._choose(resume, on_existing, (metrics_file, *run_files)), None]
-            except (CheckpointError, ConfigError) as e:
-                choice = [None, [], e]
+            except (CheckpointError, ConfigError, OSError) as e:  # OSError: setting aside
+                choice = [None, [], e]  # the old history (EBUSY, a full disk): all ranks raise
         dist.broadcast_object_list(choice, src=0)
         path, warnings, error = choice
         if error is not None:
@@ -341,6 +462,7 @@ class CheckpointManager:
             if path is None and warnings:
                 warnings = self._start_over(on_existing, run_files, warnings)
             return (str(path) if path else None), warnings
+        require_checkpoint(Path(resume), "trainer.resume")  # preflight said so already
         reason = verify(Path(resume), self.checksums)
         if reason is not None:
             raise CheckpointError(f"trainer.resume={resume}: {reason}")
@@ -375,34 +497,143 @@ class CheckpointManager:
 
     # -- load --------------------------------------------------------------------------------
     def load(self, engine, ckpt: Path, universal: bool) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        """Restore engine (weights, optimizer, scheduler) and return (trainer_state, rank_state)."""
+        """Restore engine (weights, optimizer, scheduler) and return (trainer_state, rank_state).
+        ``universal``: from the universal conversion, verified first (converted again if it
+        fails). A file that verified but does not load (a foreign checkpoint, or one altered
+        together with its manifest) is a CheckpointError naming it, on every rank."""
         tag = UNIVERSAL_TAG if universal else DS_TAG
-        if not engine.load(str(ckpt), tag):
-            raise CheckpointError(f"DeepSpeed could not load {ckpt}/{tag}")
+        if universal:
+            prepare_universal(ckpt, self.rank, self.checksums)
         state = read_state(ckpt)
         rank_file = ckpt / "ranks" / f"rank_{self.rank:05d}.pt"
-        rank_state = torch.load(rank_file, weights_only=True) if rank_file.exists() else {}
+        error, rank_state = None, {}
+        try:
+            if not engine.load(str(ckpt), tag):
+                error = f"DeepSpeed found no checkpoint in {ckpt / tag}"
+            elif rank_file.exists():
+                try:
+                    rank_state = torch.load(rank_file, weights_only=True)
+                except Exception as e:  # noqa: BLE001 - named below like DeepSpeed's files
+                    error = f"{rank_file}: {load_error_cause(e)}"
+        except Exception as e:  # noqa: BLE001 - only a file's fault is ours to report
+            file = failed_file(e)
+            if file is None and "Error(s) in loading state_dict" not in str(e):
+                raise  # not a file that failed to load: a lost rank, a bug
+            error = f"{file or ckpt / tag}: {load_error_cause(e)}"
+        error = _agree(error)
+        if error is not None:
+            raise CheckpointError(
+                f"checkpoint {ckpt} cannot be loaded: {error}. It passed its manifest's checks, "
+                f"so it was written by another program or version, or altered along with its "
+                f"manifest (or trainer.verify_checksums=false let a damaged file through); "
+                f"nothing in it was run. Resume from another checkpoint "
+                f"(trainer.resume=<its path>) or start a new run.")
         return state, rank_state
 
 
-def prepare_universal(ckpt: Path, rank: int) -> Path:
-    """Convert a ZeRO checkpoint to DeepSpeed's universal format (once, by rank 0), so it can be
-    loaded on a different data-parallel world size."""
+# universal dir -> its files' (name, size, mtime) when this process last verified or wrote them:
+# the load right after a conversion or a check does not hash them again
+_UNIVERSAL_CHECKED: Dict[str, Tuple[Tuple[str, int, int], ...]] = {}
+
+
+def prepare_universal(ckpt: Path, rank: int, checksums: bool = True) -> Path:
+    """DeepSpeed's universal format of a ZeRO checkpoint, to load it on another data-parallel
+    world size: converted by rank 0 into ``universal/`` with its own manifest (the checkpoint's
+    was written before it), and verified before it is loaded; a conversion that fails to verify
+    is converted again. Every rank raises CheckpointError if the conversion fails."""
     out = ckpt / UNIVERSAL_TAG
     error = None
-    if rank == 0 and not (out / "zero").is_dir():
-        tmp = ckpt / ".universal.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        log.info("converting %s to a universal checkpoint for a new world size", ckpt)
-        proc = convert_to_universal(ckpt / DS_TAG, tmp)
-        if proc.returncode != 0:
-            error = f"ds_to_universal failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
-        else:
-            os.rename(tmp, out)
+    if rank == 0:
+        try:
+            error = _universal_ready(ckpt, out, checksums)
+        except OSError as e:
+            error = f"preparing the universal checkpoint {out} failed: {e}"
     error = _agree(error)
     if error:
         raise CheckpointError(error)
     return out
+
+
+def _files_stat(d: Path) -> Tuple[Tuple[str, int, int], ...]:
+    return tuple((p.relative_to(d).as_posix(), st.st_size, st.st_mtime_ns)
+                 for p in sorted(d.rglob("*")) if p.is_file() for st in [p.stat()])
+
+
+def _universal_ready(ckpt: Path, out: Path, checksums: bool) -> Optional[str]:
+    """Rank 0: ``out`` verified (every file in it listed: all of it is loaded), or converted
+    (again); None, or why it cannot be."""
+    if out.is_dir():
+        if _UNIVERSAL_CHECKED.get(str(out)) == _files_stat(out):
+            return None
+        reason = verify(out, checksums, loaded=("",))
+        if reason is None:
+            _UNIVERSAL_CHECKED[str(out)] = _files_stat(out)
+            return None
+        log.warning("the universal checkpoint %s does not verify (%s): converting %s again",
+                    out, reason, ckpt)
+        shutil.rmtree(out)
+    tmp = ckpt / ".universal.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    log.info("converting %s to a universal checkpoint for a new world size", ckpt)
+    proc = convert_to_universal(ckpt / DS_TAG, tmp)
+    if proc.returncode != 0:
+        return _conversion_failed(ckpt, tmp, f"{proc.stdout}\n{proc.stderr}",
+                                  f"ds_to_universal exit {proc.returncode}")
+    try:
+        write_manifest(tmp, checksums)
+        fsync_tree(tmp)
+        os.rename(tmp, out)
+        fsync_dir(ckpt)
+    except OSError as e:
+        return _conversion_failed(ckpt, tmp, f"{type(e).__name__}: {e}", "writing its manifest")
+    _UNIVERSAL_CHECKED[str(out)] = _files_stat(out)
+    return None
+
+
+_DISK_FULL = ("No space left on device", "[Errno 28]", "ENOSPC", "Disk quota exceeded",
+              "[Errno 122]")
+# The conversion's peak use of space over its input (extracted fragments beside the merged
+# result): 1.55x on the tiny model's ZeRO-1 checkpoint.
+_CONVERSION_PEAK = 1.6
+
+
+def _conversion_failed(ckpt: Path, tmp: Path, output: str, what: str) -> str:
+    """Remove the partial conversion (a full disk stays full otherwise) and say why it failed in
+    a few lines: a full disk as such (torch's writer often says only "unexpected pos"), where and
+    how much is free; else the child's last lines."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    left = (f"the partial {tmp} could not be removed: remove it by hand" if tmp.exists() else
+            f"the partial {tmp} was removed")
+    try:
+        saved_on = f"{read_state(ckpt)['world_size']} rank(s)"
+    except (CheckpointError, KeyError):
+        saved_on = "the world size it was saved with"
+    need = _CONVERSION_PEAK * sum(p.stat().st_size for p in (ckpt / DS_TAG).rglob("*")
+                                  if p.is_file())
+    mount, free = _filesystem(ckpt)
+    if any(m in output for m in _DISK_FULL) or (free is not None and free < need):
+        room = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
+        return (f"converting {ckpt} to a universal checkpoint (to resume on a new world size) "
+                f"failed: the disk is full (the filesystem at {mount} has {room}; the conversion "
+                f"needs about {need / 2**20:.1f} MiB at its peak, {_CONVERSION_PEAK:g}x its "
+                f"{DS_TAG}/); {left}. Free space there, or resume on {saved_on}, which needs no "
+                f"conversion; then relaunch.")
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    last = " | ".join(line[:200] for line in lines[-3:])
+    return (f"converting {ckpt} to a universal checkpoint (to resume on a new world size) "
+            f"failed ({what}): {last}; {left}. Resume on {saved_on}, which needs no conversion, "
+            f"or fix the cause and relaunch.")
+
+
+def _filesystem(path: Path) -> Tuple[Path, Optional[int]]:
+    """(the mount point of the filesystem holding ``path``, its free bytes or None)."""
+    p = Path(path).absolute()
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    try:
+        return p, shutil.disk_usage(path).free
+    except OSError:
+        return p, None
 
 
 def _space_note(root: Path, previous: Optional[Path]) -> str:
@@ -439,24 +670,39 @@ def load_consolidated(ckpt_dir: str):
 
     Accepts a ``step_N`` directory or an output/checkpoints directory (then the latest complete
     one is used). ZeRO shards are merged with DeepSpeed's zero_to_fp32.
+    Raises :class:`NotACheckpoint` for a path that holds no checkpoint at all (exit 2 in the
+    CLIs) and CheckpointError, naming the file, for one that cannot be loaded (exit 3).
     """
     from llama_train.model import ModelArgs
 
     path = Path(ckpt_dir)
-    if not (path / STATE).is_file():
+    if not is_checkpoint(path):
         root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        partial = sorted(p.name for p in root.glob(".tmp-step_*")) if path.is_dir() else []
+        if not path.is_dir() or not (_step_dirs(root) or partial):
+            require_checkpoint(path, "checkpoint_dir")
         found, warnings = find_latest(root, checksums=False)
         for w in warnings:
             log.warning(w)
         if found is None:
-            raise CheckpointError(f"no complete checkpoint found in {ckpt_dir}")
+            why = [w.removeprefix("skipping checkpoint ") for w in warnings]
+            why += [f"{n} is a save that did not finish" for n in partial]
+            raise CheckpointError(f"no complete checkpoint in {root}: {'; '.join(why)}")
         path = found
     reason = verify(path, checksums=True)
     if reason is not None:
         raise CheckpointError(f"checkpoint {path} does not verify: {reason}")
     state = read_state(path)
-    args = ModelArgs(**json.loads((path / "model_args.json").read_text()))
-    sd = consolidate_fp32(path, DS_TAG, state.get("zero_stage", 0))
+    try:
+        args = ModelArgs(**json.loads((path / "model_args.json").read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path / 'model_args.json'} cannot be read: {load_error_cause(e)}"
+                              ) from None
+    try:
+        sd = consolidate_fp32(path, DS_TAG, state.get("zero_stage", 0))
+    except Exception as e:  # noqa: BLE001 - whatever DeepSpeed trips on, the file is the cause
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: "
+                              f"{failed_file(e) or path / DS_TAG}: {load_error_cause(e)}") from None
     sd = {k.removeprefix("module.").replace("_orig_mod.", ""): v.float() for k, v in sd.items()}
     tok = path / "tokenizer.model"
     return args, sd, (str(tok) if tok.exists() else None)

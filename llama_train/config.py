@@ -30,8 +30,9 @@ class ConfigError(ValueError):
 def _check_positive(section: str, obj: Any, names: List[str], allow_zero: bool = False) -> None:
     for name in names:
         value = getattr(obj, name)
-        bad = value < 0 if allow_zero else value <= 0
-        if value is None or bad:
+        # written so that NaN fails too (every comparison with NaN is false)
+        bad = value is None or not (value >= 0 if allow_zero else value > 0)
+        if bad:
             bound = ">= 0" if allow_zero else "> 0"
             raise ConfigError(f"{section}.{name}={value} must be {bound}.")
 
@@ -122,7 +123,7 @@ class TrainerConfig:
                 f"directory (<output_dir>/checkpoints/step_NNNNNNNN), or 'auto' to continue from "
                 f"the newest complete one in trainer.output_dir.")
         _check_choice("trainer.on_existing", self.on_existing, ("refuse", "archive", "overwrite"))
-        if self.peak_flops is not None and self.peak_flops <= 0:
+        if self.peak_flops is not None and not self.peak_flops > 0:
             raise ConfigError(f"trainer.peak_flops={self.peak_flops} must be > 0 or null "
                               f"(measure).")
         if self.steps_this_run is not None and self.steps_this_run <= 0:
@@ -162,6 +163,12 @@ class SampleConfig:
 
     def __post_init__(self) -> None:
         _check_positive("sample", self, ["tokens", "temperature"], allow_zero=True)
+        if self.top_k is not None and self.top_k <= 0:
+            raise ConfigError(f"sample.top_k={self.top_k} must be > 0 (the number of most likely "
+                              f"tokens to sample from), or null to sample from all of them.")
+        if self.tokens and not self.prompt:
+            raise ConfigError("sample.prompt is empty: the sample continues a prompt; give one "
+                              "(e.g. sample.prompt=The) or set sample.tokens=0 for no sample.")
 
 
 @dataclass
@@ -407,6 +414,11 @@ def validate(cfg: Config, world_size: int, device: str) -> BatchPlan:
             f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}: "
             f"lower trainer.seq_len or raise model.max_seq_len."
         )
+    if cfg.sample.tokens >= cfg.model.max_seq_len:
+        raise ConfigError(
+            f"sample.tokens={cfg.sample.tokens} leaves no room for the prompt in "
+            f"model.max_seq_len={cfg.model.max_seq_len} (prompt + sample must fit): lower "
+            f"sample.tokens, or set it to 0 for no sample.")
     if device == "cpu" and cfg.deepspeed.precision == "fp16":
         raise ConfigError("deepspeed.precision=fp16 is not supported on CPU: use fp32 (or bf16).")
     return resolve_batch(t, world_size)
@@ -536,9 +548,33 @@ def explain_composition_error(e: BaseException) -> Optional[str]:
     return None
 
 
+def _reject_non_finite(dcfg: DictConfig) -> None:
+    """No setting means anything as NaN or infinity (``optim.lr=inf`` turned every weight NaN
+    in one step): refuse them all by key, before any group is built."""
+    import math
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(value, list):  # data.mixture's entries
+            for i, v in enumerate(value):
+                walk(v, f"{key}[{i}]")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} is not a finite number: give {key} a finite "
+                              f"value (`llama-train --cfg job` shows its default).")
+
+    try:
+        container = OmegaConf.to_container(dcfg, resolve=True)
+    except Exception:  # noqa: BLE001 - an interpolation error: the dataclasses report it
+        return
+    walk(container, "")
+
+
 def load_config(dcfg: DictConfig) -> Config:
     """Hydra's composed config -> dataclasses; every group validates itself on the way."""
     _reject_unknown_keys(dcfg, "")
+    _reject_non_finite(dcfg)
     try:
         return OmegaConf.to_object(dcfg)
     except Exception as e:  # OmegaConf wraps __post_init__ errors; keep the message

@@ -16,6 +16,13 @@ Injection (tests and fire drills; nothing here is active unless asked for) is on
                                             1st file write (write=K: the K-th) stops half
                                             written with OSError(ENOSPC)
     save_error:step=4,rank=0,errno=EROFS,at=mkdir   rank 0 cannot create the checkpoint dir
+    nan_weights:step=3[,rank=1]             the first optimizer step from step 3 on leaves every
+                                            weight that rank updates NaN (as optim.lr=inf did);
+                                            under ZeRO the rank's own partition only
+    convert_error:errno=ENOSPC              the universal conversion (a resume on a new world
+                                            size) fails part-way: its 1st file write stops half
+                                            written with that OSError (read by the conversion's
+                                            child, llama_train.engine.ds_checkpoint)
 
 Batches are counted in the data stream (global batch b = samples [(b-1)G, bG)), not in optimizer
 steps, so an injected bad batch stays bad when a rollback replays steps, as real bad data would.
@@ -40,7 +47,7 @@ from typing import Dict, Iterator, List, Optional, Set
 from llama_train.hooks import Hook
 
 ENV = "LLAMA_TRAIN_FAULTS"
-KINDS = ("nan", "loss_scale", "exit", "hang", "save_error")
+KINDS = ("nan", "loss_scale", "exit", "hang", "save_error", "nan_weights", "convert_error")
 
 
 class FaultSpecError(ValueError):
@@ -71,12 +78,20 @@ class HangFault:
 
 
 @dataclass
+class NanWeightsFault:
+    step: int
+    rank: int = 0
+
+
+@dataclass
 class FaultPlan:
     nan_batches: Set[int] = field(default_factory=set)
     loss_scale: Dict[int, float] = field(default_factory=dict)
     exits: List[ExitFault] = field(default_factory=list)
     hangs: List[HangFault] = field(default_factory=list)
     save_errors: List[SaveFault] = field(default_factory=list)
+    nan_weights: List[NanWeightsFault] = field(default_factory=list)
+    convert_errno: Optional[int] = None  # convert_error: read by the conversion's child
 
     @classmethod
     def parse(cls, spec: str) -> "FaultPlan":
@@ -118,6 +133,13 @@ class FaultPlan:
             self.save_errors.append(SaveFault(int(kv["step"]), int(kv.get("rank", 0)),
                                               getattr(errno_mod, code), int(kv.get("write", 1)),
                                               at))
+        elif kind == "nan_weights":
+            self.nan_weights.append(NanWeightsFault(int(kv["step"]), int(kv.get("rank", 0))))
+        elif kind == "convert_error":
+            code = kv.get("errno", "ENOSPC")
+            if not hasattr(errno_mod, code):
+                raise FaultSpecError(f"{ENV}: unknown errno {code!r} in {item!r}")
+            self.convert_errno = getattr(errno_mod, code)
         else:
             raise FaultSpecError(f"{ENV}: unknown fault kind {kind!r} in {item!r}; use one of "
                                  f"{', '.join(KINDS)}")
@@ -148,6 +170,9 @@ class FaultInjector(Hook):
         for h in self.plan.hangs:
             if h.step == step and h.rank == self.rank:
                 _stall(h.seconds)  # a loop stuck where the watchdog still hears its heartbeat
+        for f in self.plan.nan_weights:
+            if f.step == step and f.rank == self.rank:
+                _poison_next_optimizer_step()
 
     def on_loss(self, batch: int, loss):
         if batch in self.plan.nan_batches:
@@ -193,6 +218,24 @@ class FaultInjector(Hook):
             yield
         finally:
             torch.save = real_save
+
+
+def _poison_next_optimizer_step() -> None:
+    """The next torch optimizer step on this rank (the one DeepSpeed drives: under ZeRO its
+    params are this rank's fp32 partitions, copied into the model afterwards) leaves every
+    weight it updated NaN, as a step with an infinite learning rate does. Through torch's global
+    optimizer hook, removed once it fired; a skipped step does not fire it."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def poison(optimizer, args, kwargs) -> None:
+        handle.remove()
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.fill_(float("nan"))
+
+    handle = register_optimizer_step_post_hook(poison)
 
 
 def _stall(seconds: float) -> None:

@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import shutil
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
@@ -401,7 +402,13 @@ def import_hf(hf_dir: PathLike) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{cfg_path} does not exist: pass a Hugging Face model directory")
-    args = from_hf_config(json.loads(cfg_path.read_text()))
+    try:
+        hf_cfg = json.loads(cfg_path.read_text())
+    except ValueError as e:  # not JSON, not UTF-8
+        raise ValueError(f"{cfg_path} is not a JSON config ({e})") from None
+    if not isinstance(hf_cfg, dict):
+        raise ValueError(f"{cfg_path} holds a JSON {type(hf_cfg).__name__}, not a config object")
+    args = from_hf_config(hf_cfg)
     index = d / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -412,7 +419,12 @@ def import_hf(hf_dir: PathLike) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
                          "weights are read (re-save with save_pretrained(safe_serialization=True))")
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(str(d / f)))
+        try:
+            sd.update(load_file(str(d / f)))
+        except Exception as e:  # noqa: BLE001 - safetensors' own error type, OSError, ...
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise ValueError(f"{d / f} cannot be read as safetensors "
+                             f"({type(e).__name__}: {first})") from None
     return args, from_hf_state_dict(sd, args)
 
 
@@ -467,30 +479,64 @@ def check_init_from(path: str, model_args) -> None:
             + ", ".join(f"{n}={ours}" for n, ours, _ in diff) + ": pick the matching model preset.")
 
 
+# The CLIs' exit codes (docs/reliability.md): 2 the path is not a checkpoint at all (bad input),
+# 3 a checkpoint that cannot be loaded (incomplete, corrupt, foreign or tampered). Nothing in a
+# checkpoint is unpickled unrestricted, so a refused file never runs code.
+EXIT_NOT_A_CHECKPOINT, EXIT_UNLOADABLE = 2, 3
+
+
+def _cli_fail(prog: str, code: int, e: Any) -> None:
+    """One line, ``<prog>: error: ...``, and the exit code: no traceback for a bad checkpoint."""
+    msg = " ".join(str(e).split())
+    print(f"{prog}: error: {msg}", file=sys.stderr)
+    raise SystemExit(code)
+
+
 def export_main(argv: Optional[list[str]] = None) -> None:
-    """``llama-export <checkpoint_dir> <out_dir> [--dtype fp32|bf16|fp16]``."""
+    """``llama-export <checkpoint_dir> <out_dir> [--dtype fp32|bf16|fp16]``. Exit 2: the path
+    is not a checkpoint; 3: the checkpoint cannot be loaded or does not fit its model args."""
     p = argparse.ArgumentParser(prog="llama-export", description="Export a llama_train checkpoint to Hugging Face format.")
     p.add_argument("checkpoint_dir", help="a llama_train checkpoint directory")
     p.add_argument("out_dir", help="where to write the Hugging Face model")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="weight dtype (default fp32)")
     a = p.parse_args(argv)
-    from llama_train.checkpoint import load_consolidated
+    from llama_train.checkpoint import CheckpointError, NotACheckpoint, load_consolidated
 
-    args, state_dict, tokenizer_model = load_consolidated(a.checkpoint_dir)
-    add_bos = bool(tokenizer_model) and trained_with_bos(Path(tokenizer_model).parent)
-    out = export_hf(args, state_dict, a.out_dir, tokenizer_model=tokenizer_model,
-                    dtype=_DTYPES[a.dtype], add_bos=add_bos)
+    try:
+        args, state_dict, tokenizer_model = load_consolidated(a.checkpoint_dir)
+        add_bos = bool(tokenizer_model) and trained_with_bos(Path(tokenizer_model).parent)
+        out = export_hf(args, state_dict, a.out_dir, tokenizer_model=tokenizer_model,
+                        dtype=_DTYPES[a.dtype], add_bos=add_bos)
+    except NotACheckpoint as e:
+        _cli_fail(p.prog, EXIT_NOT_A_CHECKPOINT, e)
+    except CheckpointError as e:
+        _cli_fail(p.prog, EXIT_UNLOADABLE, e)
+    except (ValueError, RuntimeError) as e:  # its weights or tokenizer do not fit its model args
+        _cli_fail(p.prog, EXIT_UNLOADABLE, f"{a.checkpoint_dir} cannot be exported: "
+                                           f"{type(e).__name__}: {e}")
     print(f"exported {a.checkpoint_dir} -> {out} ({a.dtype}{', with tokenizer' if tokenizer_model else ''})")
 
 
 def import_main(argv: Optional[list[str]] = None) -> None:
-    """``llama-import <hf_dir> <out_file.pt>``: writes ``{"model_args": ..., "model": state_dict}``."""
+    """``llama-import <hf_dir> <out_file.pt>``: writes ``{"model_args": ..., "model": state_dict}``.
+    Exit 2: ``hf_dir`` is not a Hugging Face model directory; 3: its config or weights cannot be
+    read or are not a Llama this model implements."""
     p = argparse.ArgumentParser(prog="llama-import", description="Import a Hugging Face Llama model.")
     p.add_argument("hf_dir", help="Hugging Face model directory (config.json + safetensors)")
     p.add_argument("out_file", help="output .pt file")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast weights (default: keep)")
     a = p.parse_args(argv)
-    args, sd = import_hf(a.hf_dir)
+    d = Path(a.hf_dir)
+    if not (d / "config.json").is_file():
+        found = "it does not exist" if not d.exists() else (
+            "it is not a directory" if not d.is_dir() else "it has no config.json")
+        _cli_fail(p.prog, EXIT_NOT_A_CHECKPOINT,
+                  f"{d} is not a Hugging Face model directory: {found}. Give the directory "
+                  f"save_pretrained wrote (config.json + model*.safetensors).")
+    try:
+        args, sd = import_hf(d)
+    except ValueError as e:
+        _cli_fail(p.prog, EXIT_UNLOADABLE, f"{d} cannot be imported: {e}")
     if a.dtype:
         sd = {k: v.to(_DTYPES[a.dtype]) for k, v in sd.items()}
     out = Path(a.out_file)

@@ -13,7 +13,7 @@ import os
 import socket
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from llama_train.config import (BatchPlan, Config, ConfigError, config_warnings, resolve_batch,
                                 to_container, validate)
@@ -81,6 +81,7 @@ def preflight(cfg: Config) -> Preflight:
     from llama_train.faults import FaultPlan
     from llama_train.resume import check_tokenizer
     from llama_train.runlock import RunLock, check_not_held_by_another_job
+    from llama_train.tracking import check_wandb_env
 
     rt = detect_runtime(cfg.trainer.device)
     setup_logging(rt.rank)
@@ -94,18 +95,30 @@ def preflight(cfg: Config) -> Preflight:
 
         check_init_from(cfg.trainer.init_from, cfg.model)
     faults = FaultPlan.from_env()  # a malformed LLAMA_TRAIN_FAULTS fails here, not mid-run
+    check_wandb_env(cfg.tracking)
     try:
         check_backend(cfg.comm, rt.device_type)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_writable(cfg.trainer.output_dir)
+    _check_run_paths(cfg)
     check_not_held_by_another_job(cfg.trainer.output_dir)  # every rank, before the data
     _check_one_history(cfg)
     resume = _check_resume(cfg, plan, rt.world_size)  # files only: before data and group
-    prepared = prepare_data(cfg.data, vocab_size=cfg.model.vocab_size)
+    if resume is None:
+        _check_outside_metrics_file(cfg)
+    try:
+        prepared = prepare_data(cfg.data, vocab_size=cfg.model.vocab_size)
+    except OSError as e:  # a write that names no file (ENOSPC in a shard): name the place
+        if e.filename is None:
+            from llama_train.paths import cache_dir
+
+            e.filename = str(cfg.data.prepared_dir or cache_dir())
+        raise
     check_compatible(prepared.meta, cfg.model.vocab_size, cfg.trainer.seq_len)
     _check_epochs(cfg, plan, prepared.meta, rt.rank)
     _check_prepared_tokenizer(prepared)
+    _check_sample_prompt(cfg, prepared)
     if resume is not None:  # the checkpoint's tokenizer against the data's, now known
         check_tokenizer(resume.checkpoint, prepared.meta["tokenizer"].get("sha256"))
     # last: a refused config or data leaves no lock file behind (prepared data is found quickly)
@@ -163,6 +176,61 @@ def _check_epochs(cfg: Config, plan: BatchPlan, meta: dict, rank: int) -> float:
                     "the loss will sit above the law's prediction (limit: scaling.max_epochs=%g)",
                     s.mode, what, s.max_epochs)
     return epochs
+
+
+def run_paths(cfg: Config) -> Dict[str, Path]:
+    """What the run itself creates or replaces directly in trainer.output_dir, by the key or
+    name that puts it there (W&B and TensorBoard only where their dir is the default)."""
+    from llama_train.checkpoint import ARCHIVE, RUN_FILES
+    from llama_train.runlock import LOCK_NAME
+
+    out, tr = Path(cfg.trainer.output_dir), cfg.tracking
+    paths = {n: out / n for n in (LOCK_NAME, *RUN_FILES, ARCHIVE)}
+    paths["tracking.metrics_file"] = out / tr.metrics_file
+    paths["checkpoints/latest"] = out / "checkpoints" / "latest"
+    if not tr.wandb.dir:
+        paths["wandb"] = out / "wandb"
+    if not tr.tensorboard.dir:
+        paths["tensorboard"] = out / "tensorboard"
+    return paths
+
+
+def _check_run_paths(cfg: Config) -> None:
+    """Every path the run writes stays where it says: tracking.metrics_file may not climb out
+    of trainer.output_dir, and none of the run's own files or directories there may be a
+    symlink (a planted ``.lock`` link truncated its target, a ``config.yaml`` link had its
+    target overwritten, an ``archive`` link moved the history elsewhere). trainer.output_dir
+    itself may be a link; absolute paths given on purpose (tracking.metrics_file,
+    tracking.wandb.dir, tracking.tensorboard.dir) are the user's."""
+    import os.path
+
+    metrics = cfg.tracking.metrics_file
+    if not os.path.isabs(metrics) and os.path.normpath(metrics).split(os.sep)[0] in ("..", ""):
+        raise ConfigError(
+            f"tracking.metrics_file={metrics!r} leaves trainer.output_dir: the metrics file is "
+            f"part of the run's history, which one output_dir holds. Give a path inside it "
+            f"(default metrics.jsonl), or an absolute path to put it elsewhere on purpose.")
+    for key, path in run_paths(cfg).items():
+        if path.is_symlink():
+            raise ConfigError(
+                f"{path} is a symlink (to {os.readlink(path)}): the run would write through it "
+                f"into a file it does not own ({key}). Nothing was changed. Remove the link, or "
+                f"point trainer.output_dir at the directory where the run should live.")
+
+
+def _check_outside_metrics_file(cfg: Config) -> None:
+    """A fresh start begins a new metrics file. One outside trainer.output_dir (an absolute
+    tracking.metrics_file) is no part of the output dir's history, so it is never replaced,
+    archived or deleted: a fresh start refuses while it holds records."""
+    out = Path(cfg.trainer.output_dir).absolute()
+    metrics = (out / cfg.tracking.metrics_file).absolute()
+    if out in metrics.parents:
+        return
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        raise ConfigError(
+            f"tracking.metrics_file={metrics} is outside trainer.output_dir and already holds "
+            f"records: a new run would replace them, and files outside the output dir are "
+            f"never set aside or deleted. Move it away, or give another tracking.metrics_file.")
 
 
 def _check_one_history(cfg: Config) -> None:
@@ -224,6 +292,25 @@ def _check_writable(output_dir: str) -> None:
             f"({e.filename or d}). Point trainer.output_dir at a writable directory with free "
             f"space, or fix its permissions or mount."
         ) from None
+
+
+def _check_sample_prompt(cfg: Config, prepared) -> None:
+    """The end-of-run sample must fit the model: the prompt, encoded by the run's tokenizer,
+    plus sample.tokens (found now, not after the whole run)."""
+    from llama_train.data import Tokenizer
+
+    s = cfg.sample
+    if not s.tokens:
+        return
+    n = len(Tokenizer(prepared.tokenizer_path).encode(s.prompt, bos=False, eos=False))
+    if n == 0:
+        raise ConfigError(f"sample.prompt={s.prompt!r} encodes to no tokens: give a prompt with "
+                          f"text in it, or set sample.tokens=0 for no sample.")
+    if n + s.tokens > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"sample.prompt ({n} tokens) + sample.tokens={s.tokens} exceeds "
+            f"model.max_seq_len={cfg.model.max_seq_len}: shorten sample.prompt or lower "
+            f"sample.tokens.")
 
 
 def _check_prepared_tokenizer(prepared) -> None:

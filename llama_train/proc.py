@@ -1,5 +1,5 @@
 """Child jobs started in their own session (``start_new_session=True``), so one signal reaches
-the launcher and every rank it started."""
+the launcher and every rank it started; and a rank's tie to the launcher that started it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Optional
 
 
 def kill_session(proc: subprocess.Popen) -> None:
@@ -52,3 +53,41 @@ def remove_ds_shm(addr: str, port, ranks: int) -> None:
             os.unlink(ds_shm_buffer(addr, port, rank))
         except OSError:
             pass
+
+
+_launcher_pid: Optional[int] = None
+
+
+def stop_with_launcher() -> Optional[int]:
+    """Under the ``deepspeed`` launcher: ask the kernel for SIGTERM when the launcher dies
+    (``prctl(PR_SET_PDEATHSIG)``), so a rank whose launcher was killed (``kill -9``, an OOM
+    kill) stops with a checkpoint like any SIGTERM'd rank instead of training on unsupervised.
+    Returns the launcher's pid (None: not under the launcher, or not on Linux)."""
+    import ctypes
+
+    global _launcher_pid
+    ppid = os.getppid()
+    try:
+        with open(f"/proc/{ppid}/cmdline", "rb") as f:
+            parent = f.read().replace(b"\0", b" ")
+    except OSError:
+        return None
+    if b"deepspeed.launcher.launch" not in parent:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    _launcher_pid = ppid
+    if os.getppid() != ppid:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+    return ppid
+
+
+def launcher_gone() -> bool:
+    """Whether the launcher :func:`stop_with_launcher` found has died (this rank was
+    re-parented)."""
+    return _launcher_pid is not None and os.getppid() != _launcher_pid

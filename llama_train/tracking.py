@@ -54,6 +54,24 @@ def wandb_api_key_present() -> bool:
     return any(found.authenticators(h) is not None for h in hosts if h)
 
 
+# What wandb 0.31 accepts in WANDB_MODE (its Settings.mode); anything else fails wandb.init
+# with a pydantic "validation error for Settings" that names no variable.
+WANDB_ENV_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
+
+
+def check_wandb_env(cfg: TrackingConfig) -> None:
+    """W&B reads WANDB_MODE from the environment even when the config sets the mode: refuse a
+    value it would reject (an empty one included) by name, before the process group."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode is None or resolve_wandb_mode(cfg.wandb.mode) == "disabled":
+        return
+    if mode not in WANDB_ENV_MODES:
+        raise ConfigError(
+            f"the environment variable WANDB_MODE={mode!r} is not a W&B mode: unset it, or set "
+            f"it to one of {', '.join(WANDB_ENV_MODES[:3])} (tracking.wandb.mode sets the "
+            f"mode of this run).")
+
+
 def resolve_wandb_mode(mode: Optional[str]) -> str:
     if mode is not None:
         return mode
@@ -117,9 +135,17 @@ class Tracker:
     def state_dict(self) -> Dict[str, Any]:
         return {"wandb_run_id": self.run_id, "metrics_lines": self.lines if self.enabled else None}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.run_id = state.get("wandb_run_id") or self.run_id
-        self._resume_lines = state.get("metrics_lines")
+    def load_state_dict(self, state: Dict[str, Any], forked_from: Optional[str] = None) -> None:
+        """The tracker's state from a checkpoint. ``forked_from``: the checkpoint belongs to
+        another run (another output_dir), so this is a new run: a new W&B run whose config names
+        the original's run id and the checkpoint, never the original's run."""
+        if forked_from is None:
+            self.run_id = state.get("wandb_run_id") or self.run_id
+            self._resume_lines = state.get("metrics_lines")
+            return
+        self.run_config = {**self.run_config, "forked_from": {
+            "wandb_run_id": state.get("wandb_run_id"), "checkpoint": forked_from}}
+        self._resume_lines = None  # the other run's line count says nothing about this file
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, resume_step: Optional[int] = None, checkpoint: Optional[str] = None) -> None:

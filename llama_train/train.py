@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from llama_train.config import Config, ConfigError, load_config
 from llama_train.hooks import Hook
 from llama_train.paths import CONFIG_DIR
-from llama_train.preflight import preflight
+from llama_train.preflight import preflight, setup_logging
 from llama_train.proc import exit_skipping_teardown
 
 log = logging.getLogger("llama_train")
@@ -76,11 +76,12 @@ LOST_RANK_EXIT_DELAY_S = 2.5
 def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
     """One Hydra job (one of a --multirun sweep): train, and turn failures into exit codes."""
     from llama_train.checkpoint import CheckpointError
+    from llama_train.data.errors import DataInterrupted
     from llama_train.faults import find_comm_error
     from llama_train.recovery import TrainingAborted
     from llama_train.trainer import start
 
-    trainer = pre = None
+    trainer = pre = cfg = None
     try:
         cfg = load_config(dcfg)
         cfg, own_dir = sweep_job_dir(cfg, dcfg)
@@ -96,13 +97,30 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
                      cfg.trainer.output_dir)
         trainer = start(pre, hooks)
         result = trainer.fit()
+    except DataInterrupted as e:
+        # the data changed under the running job (DataChanged: exit 3), seen by this rank
+        # alone, maybe: one line and exit now, as for an unwritable output_dir below
+        log.error("%s", e)
+        print(f"llama-train: error: {e}", file=sys.stderr)
+        logging.shutdown()
+        exit_skipping_teardown(e.exit_code)
     except ValueError as e:  # ConfigError, DataError, ModelArgs checks: a message, not a trace
         _fail(EXIT_BAD_INPUT, e)
     except (CheckpointError, TrainingAborted) as e:
         _fail(EXIT_CHECKPOINT if isinstance(e, CheckpointError) else EXIT_ABORTED, e)
     except OSError as e:
+        import torch.distributed as dist
+
+        if (find_comm_error(e) is not None and dist.is_initialized()
+                and dist.get_world_size() > 1):  # "Connection lost": the job is going down
+            _exit_lost_rank(e, trainer.cfg.comm.timeout_s if trainer else 60.0,
+                            trainer.state.step + 1 if trainer else None)
         if not (trainer and _in_output_dir(e, trainer.cfg.trainer.output_dir)):
-            raise
+            if e.errno not in (*DISK_ERRNOS, errno.EBUSY):
+                raise
+            # a disk the run reads or writes outside its checkpoints (the data cache, the HF
+            # cache, the archive): a disk problem, not a bug and not the config
+            _fail(EXIT_CHECKPOINT, OSError(_disk_error(e, cfg if pre is None else pre.cfg)))
         msg = _unwritable(e, trainer.cfg.trainer.output_dir)
         log.error("%s", msg)
         print(f"llama-train: error: {msg}", file=sys.stderr)
@@ -145,6 +163,40 @@ def _in_output_dir(e: OSError, output_dir: str) -> bool:
     out = Path(output_dir).absolute()
     return (e.errno in DISK_ERRNOS and e.filename is not None
             and (out == Path(e.filename).absolute() or out in Path(e.filename).absolute().parents))
+
+
+def _disk_error(e: OSError, cfg: Optional[Config]) -> str:
+    """What an OSError on a file outside the checkpoints says: the file, the cause, the free
+    space of its filesystem, and which setting puts files there."""
+    import shutil
+
+    from llama_train.paths import cache_dir
+
+    path = Path(e.filename or ".").absolute()
+    where = "its location"
+    if cfg is not None:
+        for root, key in ((cfg.trainer.output_dir, "trainer.output_dir"),
+                          (cfg.data.prepared_dir, "data.prepared_dir"),
+                          (cache_dir(), "the LLAMA_TRAIN_CACHE directory (data.prepared_dir)"),
+                          (os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface",
+                           "the Hugging Face cache (HF_HOME / HF_DATASETS_CACHE)")):
+            if root and (Path(root).absolute() == path or Path(root).absolute() in path.parents):
+                where = key
+                break
+    free = ""
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    try:
+        free = f"; {shutil.disk_usage(probe).free / 2**20:.1f} MiB free on its filesystem"
+    except OSError:
+        pass
+    cause = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
+             errno.EROFS: "the filesystem is read-only", errno.EBUSY: "the file is busy (in use "
+             "by another program, or a mount point)"}.get(e.errno, e.strerror or str(e))
+    return (f"cannot use {path}: {cause} ({e.strerror}){free}. Free space, fix the permissions "
+            f"or the mount, or point {where} elsewhere, then relaunch; checkpoints already "
+            f"saved are intact.")
 
 
 def _unwritable(e: OSError, output_dir: str) -> str:
@@ -200,8 +252,12 @@ def _exit_lost_rank(comm: BaseException, timeout_s: float, step: Optional[int]) 
     from llama_train.faults import diagnose_lost_ranks
 
     # The launcher is tearing the job down: a DataLoader worker it terminates must not
-    # interrupt the diagnosis through torch's SIGCHLD handler.
+    # interrupt the diagnosis through torch's SIGCHLD handler, and the SIGTERM it sends this
+    # rank (within its 1 s poll of the dead one) must not cut the report short: this rank exits
+    # within a few seconds anyway, and the launcher SIGKILLs it after 30 s.
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
     rank, world = dist.get_rank(), dist.get_world_size()
     frames = traceback.extract_tb(comm.__traceback__)
     where = ([f for f in frames if "llama_train" in f.filename] or frames)[-1]
@@ -223,6 +279,54 @@ def _exit_lost_rank(comm: BaseException, timeout_s: float, step: Optional[int]) 
     # fixed order, see that exit first, so the job's status is the cause's, not this one's.
     time.sleep(LOST_RANK_EXIT_DELAY_S)
     exit_skipping_teardown(EXIT_LOST_RANK)
+
+
+def _check_sweep(overrides: List[str]) -> None:
+    """--multirun: compose and check every job's config before the first job starts, so a bad
+    point of a sweep is named (with its overrides) at once instead of ending the sweep after the
+    jobs before it ran. Each group's own checks and those against the world size; what needs
+    the data or a checkpoint is still checked by each job."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from llama_train.config import explain_composition_error, validate
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    except Exception:  # noqa: BLE001 - Hydra itself reports a command line it cannot parse
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = os.environ.get("DS_ACCELERATOR") or ("cuda" if _cuda_available() else "cpu")
+    bad = []
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            for n, job in enumerate(jobs):
+                try:
+                    cfg = load_config(compose(
+                        "config", [o for o in job if not o.lstrip("+~").startswith("hydra")]))
+                    validate(cfg, world, device)
+                except Exception as e:  # noqa: BLE001 - composition errors and ValueErrors
+                    msg = explain_composition_error(e) or (str(e) if isinstance(e, ValueError)
+                                                            else None)
+                    if msg is None:
+                        raise
+                    bad.append(f"job {n} ({' '.join(job)}): {msg}")
+    finally:
+        GlobalHydra.instance().clear()
+    if bad:
+        _fail(EXIT_BAD_INPUT, ConfigError(
+            f"{len(bad)} of the {len(jobs)} jobs of this --multirun sweep cannot run; none was "
+            f"started. " + " | ".join(bad)))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _fail(code: int, e: BaseException) -> None:
@@ -249,24 +353,25 @@ def main(hooks: Sequence[Hook] = ()) -> None:
     from llama_train.config import explain_composition_error
 
     sys.argv = [sys.argv[0]] + _strip_launcher_args(sys.argv[1:])
+    setup_logging(int(os.environ.get("RANK", "0")))  # preflight sets it again, as the rank
     _dump_stacks_on_sigusr1()
+    if "--multirun" in sys.argv or "-m" in sys.argv:
+        _check_sweep([a for a in sys.argv[1:] if not a.startswith("-")])
     # Hydra re-raises instead of printing its own trace and exiting 1: a command line it cannot
     # compose is bad input (exit 2, with a message) like every other.
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    in_job = []
-
     def job(dcfg: DictConfig) -> Optional[float]:
-        in_job.append(True)
         try:
             return run_job(dcfg, hooks)
-        finally:
-            in_job.pop()
+        except OSError as e:  # the job's own, not Hydra's (one that run_job did not explain)
+            e.llama_train_job = True
+            raise
 
     try:
         hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="config")(job)()
     except Exception as e:
         msg = explain_composition_error(e)
-        if msg is None and isinstance(e, OSError) and not in_job:
+        if msg is None and isinstance(e, OSError) and not getattr(e, "llama_train_job", False):
             # Hydra creates its own directories (a --multirun sweep's) before a job starts
             msg = (f"Hydra cannot create {e.filename}: {e.strerror or e}. Point hydra.sweep.dir "
                    f"at a directory path you can write.")
@@ -282,5 +387,28 @@ def main(hooks: Sequence[Hook] = ()) -> None:
             shutdown_distributed()
 
 
+def cli() -> None:
+    """The command (``llama-train``, ``python -m llama_train.train``, each rank under the
+    launcher): :func:`main`, then, once every exit handler has run (W&B, logging), exit with
+    its code without the interpreter's teardown. Unloading DeepSpeed and torch took 0.9-1.5 s
+    of every finished process, for nothing, and a teardown with a process group's C++ threads
+    still alive can abort ("terminate called without an active exception": exit 250 for a job
+    that had refused cleanly with exit 3). Programs that embed :func:`main` keep their
+    interpreter; an unexpected exception keeps its traceback and the normal exit."""
+    import atexit
+
+    code = 0
+    try:
+        main()
+    except SystemExit as e:  # our exit codes (and Hydra's --help, --cfg: exit 0)
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    atexit._run_exitfuncs()
+    exit_skipping_teardown(code)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

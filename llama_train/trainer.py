@@ -34,6 +34,7 @@ from llama_train.faults import FaultInjector, FaultPlan
 from llama_train.flops import PeakFlops, memory_stats
 from llama_train.hooks import Hook
 from llama_train.model import count_params, flops_per_token
+from llama_train.proc import launcher_gone, stop_with_launcher
 from llama_train.optim import param_groups
 from llama_train.records import RUN_INFO_FILE, RunInfo
 from llama_train.recovery import Recovery
@@ -136,6 +137,7 @@ def start(pre, hooks: Sequence[Hook] = ()) -> "Trainer":
     preflight judged, converted for a new world size if needed; then the Trainer."""
     cfg, t, rt = pre.cfg, pre.cfg.trainer, pre.rt
     hooks = [FaultInjector(pre.faults or FaultPlan(), rt.rank), *hooks]
+    stop_with_launcher()  # a killed launcher: SIGTERM, so this rank saves and stops
     eng.init_distributed(cfg.comm, rt.device_type)
     log.info("process group up: %d ranks over %s", rt.world_size, dist.get_backend())
     ckpts = CheckpointManager(t.output_dir, t.keep_last, t.verify_checksums, rt.rank,
@@ -181,7 +183,8 @@ class Trainer:
                                   micro_batch=self.plan.micro_batch, dp_rank=rt.rank,
                                   dp_world=rt.world_size, seed=cfg.data.seed,
                                   num_workers=cfg.data.num_workers,
-                                  pin_memory=rt.device_type == "cuda")
+                                  pin_memory=rt.device_type == "cuda",
+                                  data_timeout_s=cfg.comm.timeout_s)
         self.tracker = Tracker(cfg.tracking, t.output_dir, rt.rank, self.run_config)
         self.state = TrainState()
         self.recovery = Recovery(cfg.recovery, self.state, self.tracker)
@@ -217,10 +220,7 @@ class Trainer:
     def _log_start(self, precision: str) -> None:
         if not self.rt.is_main:
             return
-        out, n = Path(self.cfg.trainer.output_dir), count_params(self.model_args)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(self.run_config))
-        self.write_run_info()
+        n = count_params(self.model_args)
         p = self.plan
         log.info("model: %s params (%s non-embedding); %d ranks x micro %d x accum %d = global "
                  "batch %d x %d tokens; ZeRO-%d %s on %s; MFU against %.3g FLOP/s (%s), fixed "
@@ -271,6 +271,11 @@ class Trainer:
                 for h in self.hooks:
                     h.on_step_end(s.step, metrics)
                 if out.batch.stop_requested:
+                    if launcher_gone():
+                        log.error("the deepspeed launcher of this rank is gone (killed?): saved "
+                                  "step %d and stopped; relaunch the job to continue from it. "
+                                  "DeepSpeed's runner exits 0 when its launcher is killed by a "
+                                  "signal: trust this line, not that status", s.step)
                     log.warning("signal %s: saved step %d, exiting",
                                 stop.received or "(other rank)", s.step)
                     self.close()
@@ -409,7 +414,8 @@ class Trainer:
                            "seq_len": self.cfg.trainer.seq_len},
             rank_state={"rng": rng_state()},
             describe={"config": self.run_config, "model_args": asdict(self.model_args),
-                      "tokenizer": self.prepared.tokenizer_path},
+                      "tokenizer": self.prepared.tokenizer_path,
+                      "tokenizer_sha256": self.prepared.meta["tokenizer"].get("sha256")},
         )
         self.tracker.event(step, "checkpoint", path=str(path),
                            seconds=round(time.perf_counter() - t0, 3))
@@ -420,9 +426,16 @@ class Trainer:
         ckpt = self.resume_from
         if ckpt is not None:
             saved = self._restore(ckpt)
-            self.tracker.load_state_dict(saved["tracker"])
+            own = Path(self.cfg.trainer.output_dir, "checkpoints").resolve()
+            forked = Path(ckpt).resolve().parent != own  # another run's checkpoint: a new run
+            self.tracker.load_state_dict(saved["tracker"], str(ckpt) if forked else None)
             log.info("resumed from %s at step %d (%d tokens)", ckpt, self.state.step,
                      self.state.tokens)
+        if self.rt.is_main:  # only now: a resume that fails to load leaves the run's files as
+            out = Path(self.cfg.trainer.output_dir)  # they were (a finished run's final_*)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.yaml").write_text(OmegaConf.to_yaml(self.run_config))
+            self.write_run_info()
         self.tracker.start(resume_step=self.state.step if ckpt is not None else None,
                            checkpoint=str(ckpt) if ckpt is not None else None)
         if ckpt is not None:

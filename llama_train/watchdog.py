@@ -36,6 +36,16 @@ Never a false alarm from this process's own pauses: if the judging thread itself
 for a while (the whole process stopped, or starved), it gives every peer a fresh ``comm.timeout_s``
 instead of blaming them. The threads stop by themselves when the process group it was started for is
 destroyed, and at interpreter exit; a rank that stops cleanly says so, and is no longer watched.
+
+A rank waiting for its own data is not seen by any of this: its heartbeat runs, and a rank
+that waits in no collective (every rank stuck on a hung file system) is timed out by nothing.
+So the loop's waits for data are a :class:`Deadline` (the data loader enters one around each
+batch, ``comm.timeout_s`` long): one more daemon thread, in every process that uses one (a world
+of one included), exits the rank with code 5 when a wait outlives its deadline, with one line
+naming the rank, the step and what it waited for, after the deadline's own ``on_expiry`` has said
+why and cleaned up (the loader SIGKILLs its workers: a stopped one ignores SIGTERM), telling the
+other ranks through the ``abort`` key as above. The same freeze rule holds: a process that did not
+run for a while gives its waits a fresh deadline.
 """
 
 from __future__ import annotations
@@ -51,7 +61,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, Iterator, Optional, Tuple
+import weakref
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 log = logging.getLogger("llama_train")
 
@@ -143,6 +154,86 @@ def stop() -> None:
 
 
 atexit.register(stop)
+
+
+class Deadline:
+    """A wait of this rank's loop that must end within ``timeout_s`` (``with deadline: ...``),
+    e.g. for the next batch of the data loader. Entering and leaving cost ~1 µs (0.8 measured),
+    so it can wrap every micro-batch. If a wait outlives it, the deadline thread exits
+    the rank with code 5 (see the module's docstring): one line "rank R has waited N s for its
+    <what> at step S (<key>=T): <on_expiry()'s words>", every thread's stack, the other ranks
+    told. ``on_expiry`` runs in that thread while the wait goes on: it says why and cleans up."""
+
+    def __init__(self, what: str, timeout_s: float, rank: int,
+                 on_expiry: Optional[Callable[[], str]] = None, key: str = "comm.timeout_s"):
+        if not timeout_s > 0:
+            raise ValueError(f"{key}={timeout_s} must be a positive number of seconds")
+        self.what, self.timeout_s, self.rank, self.key = what, float(timeout_s), rank, key
+        self.on_expiry = on_expiry
+        self.since: Optional[float] = None  # monotonic start of the wait in progress
+
+    def __enter__(self) -> "Deadline":
+        self.since = time.monotonic()
+        _DeadlineThread.watch(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.since = None
+
+
+class _DeadlineThread(threading.Thread):
+    """The one thread per process that times the :class:`Deadline` s; it only reads their
+    ``since`` (never writes it: no race with the loop leaving a wait)."""
+
+    _running: Optional["_DeadlineThread"] = None
+
+    def __init__(self):
+        super().__init__(name="llama_train-deadlines", daemon=True)
+        self.pid = os.getpid()
+        self.deadlines: "weakref.WeakSet[Deadline]" = weakref.WeakSet()
+
+    @classmethod
+    def watch(cls, deadline: Deadline) -> None:
+        t = cls._running
+        if t is None or t.pid != os.getpid() or not t.is_alive():  # first use, or a fork
+            with _lock:
+                t = cls._running
+                if t is None or t.pid != os.getpid() or not t.is_alive():
+                    t = cls._running = _DeadlineThread()
+                    t.start()
+        if deadline not in t.deadlines:
+            t.deadlines.add(deadline)
+
+    def run(self) -> None:
+        last = thawed = time.monotonic()
+        while True:
+            ds = list(self.deadlines)
+            shortest = min((d.timeout_s for d in ds), default=10.0)
+            interval = min(1.0, max(0.05, shortest / 10))
+            time.sleep(interval)
+            now = time.monotonic()
+            if now - last > interval + max(2.0, shortest / 2):
+                thawed = now  # this process did not run for a while: every wait starts afresh
+            last = now
+            for d in ds:
+                since = d.since
+                if since is not None and now - max(since, thawed) > d.timeout_s:
+                    _expire(d, now - since)
+
+
+def _expire(d: Deadline, waited: float) -> None:
+    step, _ = position()
+    where = f"at step {step}" if step is not None else "at start-up"
+    why = ""
+    if d.on_expiry is not None:
+        try:
+            why = f": {d.on_expiry()}"
+        except Exception as e:  # noqa: BLE001 - the exit must happen whatever the cleanup does
+            why = f": ({type(e).__name__} while looking: {e})"
+    msg = (f"rank {d.rank} has waited {waited:.0f} s for its {d.what} {where} "
+           f"({d.key}={d.timeout_s:g}){why}. Rank {d.rank} stops rather than wait forever.")
+    abort_job(msg)  # the other ranks (waiting for this one in a collective) stop now too
+    _exit(msg, d.rank)
 
 
 class Watchdog(threading.Thread):

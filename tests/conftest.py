@@ -10,13 +10,13 @@ import pytest
 
 from llama_train.proc import ds_shm_buffer
 
-# One OpenMP/BLAS thread in this process and in what it starts (helpers._env sets it for the
-# launched ranks too), set before numpy and torch are imported: on 2 cores their spin-waiting
-# thread pools run many times slower whenever anything else runs (test_scaling_fit.py beside two
-# busy processes: 14.9 s with the default 2 threads, 5.6 s with 1), and the tests' small arrays
-# and tensors gain nothing from a second thread.
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
+# One OpenBLAS thread for numpy/scipy in this process and in what it starts, set before numpy is
+# imported: on 2 cores OpenBLAS's spin-waiting threads make the many small solves of the scaling
+# fits several times slower whenever anything else runs (tests/test_scaling_fit.py beside two
+# busy processes: 17.5 s with its default 2 threads, 6.9 s with 1). torch's own threads are left
+# alone (so is MKL_NUM_THREADS, which torch would take as its thread count): a one-process
+# training run is faster with both cores; the launched ranks get OMP_NUM_THREADS=1 from _env.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -58,7 +58,22 @@ def zero3_run(tmp_path_factory):
     return out
 
 
+# The files with the most launcher runs, longest first. `make test` runs the suite on two
+# pytest-xdist workers that take whole files (--dist loadfile) in collection order: starting
+# with these leaves the short files to fill the end, instead of one long file running alone.
+HEAVY_FIRST = ("test_zero3.py", "test_hang.py", "test_reliability.py", "test_launcher_runs.py",
+               "test_integrity.py", "test_mixture.py", "test_data_holes.py", "test_checkpoint.py",
+               "test_bench.py", "test_scaling_study.py", "test_checkpoint_holes.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within
+
+
 def pytest_unconfigure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the controller cleans up, once every worker (and its jobs) has stopped
     if _SESSION_CACHE:
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
     # Workers that start DeepSpeed without llama_train.engine (which unlinks them) leave its CPU

@@ -144,6 +144,34 @@ def copy_at_step(src: Path, dst: Path, step: int) -> Path:
     return dst
 
 
+def export_hf(checkpoints: Path, hf_dir: Path) -> None:
+    """llama-export's entry point in a child process: the newest checkpoint under
+    ``checkpoints`` -> a Hugging Face model directory ``hf_dir``."""
+    subprocess.run([sys.executable, "-c", "from llama_train.hf import export_main; export_main()",
+                    str(checkpoints), str(hf_dir)], check=True, cwd=REPO)
+
+
+def assert_hf_logits_match(checkpoints: Path, hf_dir: Path, tol: float = 1e-4):
+    """The exported ``hf_dir``, loaded by transformers, computes the logits of the newest
+    checkpoint under ``checkpoints`` (within ``tol``, both in eval mode). Returns that
+    checkpoint's (ModelArgs, consolidated state dict)."""
+    import torch
+    import transformers
+
+    from llama_train.checkpoint import load_consolidated
+    from llama_train.model import Transformer
+
+    args, sd, _ = load_consolidated(str(checkpoints))
+    ours = Transformer(args)
+    ours.load_state_dict(sd)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    x = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (hf.eval()(x).logits - ours.eval()(x)).abs().max().item()
+    assert diff < tol, diff
+    return args, sd
+
+
 def metrics(out: Path) -> List[Record]:
     return read_metrics(out / METRICS_FILE)
 
@@ -265,3 +293,26 @@ def rows(out: Path) -> List[Record]:
 def step_rows(out: Path) -> Dict[int, dict]:
     return {r["step"]: r for r in rows(out) if "loss" in r}
 
+
+
+def docs_prepared(root: Path, block_bytes: int) -> str:
+    """25 pages of the Python docs prepared with a 512-piece tokenizer into 5000-token shards
+    of ``block_bytes`` checksum blocks (the data-loader tests' small corpus). Returns its dir."""
+    import json
+
+    import pydoc_data.topics
+    import pytest
+
+    from llama_train.data import DataConfig, prepare_data, train_tokenizer
+    from llama_train.data import prepare as prepare_module
+
+    topics = pydoc_data.topics.topics
+    docs = [topics[k] for k in sorted(topics)[:25]]
+    src = root / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = train_tokenizer(docs, 512, root / "tok")
+    cfg = DataConfig(source=str(src), tokenizer=tok, prepared_dir=str(root / "prepared"),
+                     val_fraction=0.2, num_proc=1, shard_tokens=5000, streaming=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prepare_module, "BLOCK_BYTES", block_bytes)
+        return prepare_data(cfg, 512).dir

@@ -111,6 +111,33 @@ def _cases(work: Path, out: Path):
         ("mixture: a missing source", ["data.mixture=[{name:a,source:builtin},"
                                        "{name:web,source:/no/such/web.jsonl}]"], 2,
          ["data.mixture[1] (web", "/no/such/web.jsonl"]),
+        # -- numbers that are not numbers, samples that cannot be drawn (issue 29) --
+        ("an infinite lr", ["optim.lr=inf"], 2, ["optim.lr=inf is not a finite number"]),
+        ("a NaN lr", ["optim.lr=nan"], 2, ["optim.lr=nan is not a finite number"]),
+        ("a NaN weight decay", ["optim.weight_decay=nan"], 2, ["optim.weight_decay=nan"]),
+        ("a NaN peak_flops", ["trainer.peak_flops=nan"], 2, ["trainer.peak_flops=nan"]),
+        ("a NaN sample temperature", ["sample.temperature=nan"], 2, ["sample.temperature=nan"]),
+        ("sample.top_k=0", ["sample.top_k=0"], 2, ["sample.top_k=0", "null"]),
+        ("a negative sample.top_k", ["sample.top_k=-3"], 2, ["sample.top_k=-3"]),
+        ("an empty sample prompt", ["sample.prompt=''"], 2, ["sample.prompt is empty"]),
+        ("a sample longer than the model", ["sample.tokens=300"], 2,
+         ["sample.tokens=300", "model.max_seq_len=256"]),
+        ("prompt + sample longer than the model",
+         ["sample.tokens=250", "sample.prompt='The quick brown fox jumps over the lazy dog'"], 2,
+         ["sample.tokens=250 exceeds model.max_seq_len=256"]),
+        ("WANDB_MODE set but empty", ["WANDB_MODE=", "tracking.wandb.mode=offline"], 2,
+         ["WANDB_MODE=''", "offline"]),
+        ("WANDB_MODE misspelt", ["WANDB_MODE=ofline", "tracking.wandb.mode=offline"], 2,
+         ["WANDB_MODE='ofline'"]),
+        # -- paths the run writes (issue 29) --
+        ("metrics file climbing out", ["tracking.metrics_file=../victim/x.jsonl"], 2,
+         ["tracking.metrics_file='../victim/x.jsonl' leaves trainer.output_dir"]),
+        ("metrics file climbing out, overwrite",
+         [*run, "tracking.metrics_file=../notes.txt", "trainer.resume=never",
+          "trainer.on_existing=overwrite"], 2, ["leaves trainer.output_dir"]),
+        ("an outside metrics file that holds records",
+         [f"tracking.metrics_file={notes}", *elsewhere], 2,
+         ["is outside trainer.output_dir and already holds records"]),
         # -- the machine --
         ("cuda without a GPU", ["trainer.device=cuda"], 2, ["trainer.device=cuda", "auto"]),
         ("output_dir under a file", [f"trainer.output_dir={notes}/out"], 2,
@@ -136,6 +163,9 @@ def _cases(work: Path, out: Path):
          ["optim.lr", "trainer.allow_config_change=[optim.lr]"]),
         ("resume=never in a used dir", [*run, "trainer.resume=never"], 2,
          ["one output_dir holds one history", "trainer.on_existing=archive"]),
+        ("resume a directory that is not a checkpoint",
+         [f"trainer.resume={work / 'empty_dir'}", *elsewhere], 2,
+         ["trainer.resume"]),
         ("explicit resume of another run's checkpoint with another seed",
          [f"trainer.resume={step6}", "trainer.seed=7", *elsewhere], 2, ["trainer.seed"]),
         # -- experiments --
@@ -155,7 +185,7 @@ def test_bad_input_table(finished, monkeypatch, capsys):
     failures = []
     cases = _cases(work, out)
     for name, argv, want, fragments in cases:
-        env = [a for a in argv if a.startswith("LLAMA_TRAIN_FAULTS=")]
+        env = [a for a in argv if a.split("=", 1)[0] in ("LLAMA_TRAIN_FAULTS", "WANDB_MODE")]
         with monkeypatch.context() as mp:
             for e in env:
                 mp.setenv(*e.split("=", 1))
@@ -180,6 +210,7 @@ def test_bad_input_table(finished, monkeypatch, capsys):
     assert len(cases) >= 25
     assert not failures, "\n".join(failures)
     assert tree(out) == before, "a refused command changed the finished run's files"
+    assert (work / "notes.txt").read_text() == "not a checkpoint\n"  # outside: never touched
     assert not (work / "fresh" / "checkpoints").exists()
 
 
@@ -305,3 +336,144 @@ def test_refusals_come_before_the_data_and_the_process_group(finished, monkeypat
     finally:
         holder.kill()
         holder.wait()
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 29: holes an adversarial pass found (paths, refused resumes, forks, disks, sweeps)
+
+
+def _error_lines(text: str) -> list:
+    return [line for line in text.splitlines() if line.startswith("llama-train: error:")]
+
+
+@pytest.mark.parametrize("link", [".lock", "config.yaml", "run_info.json", "metrics.jsonl",
+                                  "checkpoints"])
+def test_a_symlink_in_the_output_dir_is_refused(link, tmp_path, monkeypatch, capsys):
+    """A link planted where the run writes one of its own files (``.lock`` once truncated its
+    target to 0 bytes, ``config.yaml`` overwrote it): exit 2 naming the link, target intact."""
+    tiny_prepared()
+    out = tmp_path / "run"
+    out.mkdir()
+    victim = tmp_path / "victim"
+    if link == "checkpoints":
+        victim.mkdir()
+        (victim / "keep.txt").write_text("precious\n")
+    else:
+        victim.write_text("precious\n")
+    (out / link).symlink_to(victim)
+    code, text = llama_train([*TINY, f"trainer.output_dir={out}", "trainer.max_steps=2"],
+                             monkeypatch, capsys)
+    errors = _error_lines(text)
+    assert code == 2 and len(errors) == 1 and "Traceback" not in text, text[-2000:]
+    assert f"{out / link} is a symlink" in errors[0], errors
+    if link == "checkpoints":
+        assert [p.name for p in victim.iterdir()] == ["keep.txt"]
+    else:
+        assert victim.read_text() == "precious\n"
+    assert sorted(p.name for p in out.iterdir()) == [link]
+
+
+def test_an_archive_symlink_never_moves_the_history_out(finished, tmp_path, monkeypatch, capsys):
+    """trainer.on_existing=archive with ``archive`` a link: refused (it moved the history
+    outside while the log named the in-dir path); the history stays where it was."""
+    import shutil
+
+    _, done = finished
+    out = tmp_path / "run"
+    shutil.copytree(done, out, ignore=shutil.ignore_patterns(".lock"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / "archive").symlink_to(elsewhere)
+    before = tree(out)
+    code, text = llama_train([*TINY, f"trainer.output_dir={out}", "trainer.resume=never",
+                              "trainer.on_existing=archive"], monkeypatch, capsys)
+    assert code == 2 and "archive is a symlink" in text and "Traceback" not in text, text[-2000:]
+    assert list(elsewhere.iterdir()) == [] and tree(out) == before
+
+
+def test_a_resume_refused_at_load_leaves_the_run_files(finished, tmp_path, monkeypatch, capsys):
+    """A checkpoint that verifies against its manifest but cannot be loaded (a foreign pickle,
+    manifest rewritten to match): the job stops and the finished run's config.yaml and
+    run_info.json (its final_step/final_val_loss) are as they were."""
+    import json
+    import pathlib
+    import shutil
+
+    from llama_train.checkpoint import write_manifest
+
+    _, done = finished
+    out = tmp_path / "run"
+    shutil.copytree(done, out, ignore=shutil.ignore_patterns(".lock"))
+    ckpt = out / "checkpoints" / "step_00000006"
+    torch.save({"module": pathlib.PurePosixPath("/etc/passwd")},
+               ckpt / "ds" / "mp_rank_00_model_states.pt")
+    write_manifest(ckpt, checksums=True)
+    before = tree(out)
+    assert json.loads((out / "run_info.json").read_text())["final_step"] == 6
+    code, text = llama_train([*TINY, f"trainer.output_dir={out}", "trainer.max_steps=8"],
+                             monkeypatch, capsys)
+    assert code != 0, text[-2000:]
+    assert tree(out) == before, "a resume that failed to load rewrote the run's files"
+
+
+def test_a_forked_run_is_a_new_wandb_run(tmp_path, monkeypatch, capsys):
+    """Run B resumed from run A's checkpoint into another output_dir is a new W&B run whose
+    config names A's run and checkpoint; A's run id is never written to again."""
+    import json
+
+    tiny_prepared()
+    a, b = tmp_path / "a", tmp_path / "b"
+    wandb = ["tracking.wandb.mode=offline", "trainer.save_every=2", "sample.tokens=0"]
+    code, text = llama_train([*TINY, *wandb, f"trainer.output_dir={a}", "trainer.max_steps=2"],
+                             monkeypatch, capsys)
+    assert code == 0, text[-2000:]
+    ckpt = a / "checkpoints" / "step_00000002"
+    a_id = json.loads((ckpt / "trainer_state.json").read_text())["tracker"]["wandb_run_id"]
+    code, text = llama_train([*TINY, *wandb, f"trainer.output_dir={b}", "trainer.max_steps=3",
+                              f"trainer.resume={ckpt}"], monkeypatch, capsys)
+    assert code == 0, text[-2000:]
+    b_state = json.loads((b / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
+    b_id = b_state["tracker"]["wandb_run_id"]
+    assert a_id and b_id and b_id != a_id
+    assert not list(b.glob(f"wandb/offline-run-*/run-{a_id}.wandb"))
+    assert len(list(a.glob("wandb/offline-run-*"))) == 1  # A's history: one directory, its own
+    runs = list(b.glob(f"wandb/offline-run-*/run-{b_id}.wandb"))  # the run's config is in it
+    assert len(runs) == 1, runs
+    assert b"forked_from" in runs[0].read_bytes() and a_id.encode() in runs[0].read_bytes()
+
+
+def test_a_full_disk_while_preparing_data_is_named(tmp_path, monkeypatch, capsys):
+    """ENOSPC in data preparation (a real 128 KiB tmpfs as data.prepared_dir): exit 3 naming the
+    file, "the disk is full" and the key that puts files there; not blamed on Hydra."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        code, text = llama_train([*TINY, f"trainer.output_dir={tmp_path / 'run'}",
+                                  f"data.prepared_dir={disk / 'data'}"], monkeypatch, capsys)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    errors = _error_lines(text)
+    assert code == 3 and len(errors) == 1 and "Traceback" not in text, text[-3000:]
+    assert "Hydra" not in errors[0] and "the disk is full" in errors[0], errors
+    assert str(disk) in errors[0] and "data.prepared_dir" in errors[0], errors
+
+
+def test_a_sweep_is_checked_whole_before_its_first_job(tmp_path, monkeypatch, capsys):
+    """--multirun with one bad point: refused before any job starts, naming the bad job and its
+    overrides (the sweep used to run job 0, then stop at job 1 without naming it)."""
+    sweep = tmp_path / "sweep"
+    code, text = llama_train(["--multirun", *TINY, "trainer.max_steps=2",
+                              "optim.lr=1e-3,nan,3e-4", "sample.top_k=5,0",
+                              f"trainer.output_dir={sweep}",
+                              f"hydra.sweep.dir={tmp_path / 'hydra'}"], monkeypatch, capsys)
+    errors = _error_lines(text)
+    assert code == 2 and len(errors) == 1 and "Traceback" not in text, text[-2000:]
+    assert "4 of the 6 jobs" in errors[0] and "none was started" in errors[0], errors
+    assert "optim.lr=nan" in errors[0] and "sample.top_k=0" in errors[0], errors
+    assert not sweep.exists()

@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from helpers import (REPO, TINY, copy_at_step, launcher_cmd, losses, losses_so_far, metrics,
-                     one_process, spawn, tail, train, wait_for)
+from helpers import (REPO, TINY, assert_hf_logits_match, copy_at_step, export_hf, launcher_cmd,
+                     losses, losses_so_far, metrics, one_process, spawn, tail, train, wait_for)
 from llama_train.checkpoint import find_latest, write_manifest
 
 pytestmark = pytest.mark.slow
@@ -99,22 +99,10 @@ def test_reshard_two_ranks_to_one(uninterrupted, runs):
 
 def test_export_and_import_match_transformers(uninterrupted, runs, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from llama_train.checkpoint import load_consolidated
-    from llama_train.model import Transformer
 
     hf_dir = tmp_path / "hf"
-    subprocess.run([sys.executable, "-c", "from llama_train.hf import export_main; export_main()",
-                    str(uninterrupted / "checkpoints"), str(hf_dir)], check=True, cwd=REPO)
-    args, sd, _ = load_consolidated(str(uninterrupted / "checkpoints"))
-    ours = Transformer(args)
-    ours.load_state_dict(sd)
-    ours.eval()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
-    hf.eval()
-    x = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        diff = (hf(x).logits - ours(x)).abs().max().item()
-    assert diff < 1e-4, diff
+    export_hf(uninterrupted / "checkpoints", hf_dir)
+    _, sd = assert_hf_logits_match(uninterrupted / "checkpoints", hf_dir)
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     assert tok.decode(tok("hello world")["input_ids"], skip_special_tokens=True).strip() == \
         "hello world"

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from llama_train.data import DataConfig, DataError, PackedTokens, TrainLoader, prepare_data, train_tokenizer, eval_set
+from helpers import docs_prepared
+from llama_train.data import DataConfig, DataError, PackedTokens, TrainLoader, prepare_data, eval_set
 from llama_train.data import packed
-from llama_train.data import prepare as prepare_module
 from llama_train.data.loader import IndexPermutation
 
 SEQ = 16
@@ -24,19 +24,8 @@ BT = BLOCK // 2
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> str:
-    import pydoc_data.topics
-
-    root = tmp_path_factory.mktemp("loader")
-    topics = pydoc_data.topics.topics
-    docs = [topics[k] for k in sorted(topics)[:25]]
-    src = root / "docs.jsonl"
-    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    tok = train_tokenizer(docs, 512, root / "tok")
-    cfg = DataConfig(source=str(src), tokenizer=tok, prepared_dir=str(root / "prepared"),
-                     val_fraction=0.2, num_proc=1, shard_tokens=5000, streaming=True)
-    with pytest.MonkeyPatch.context() as mp:  # 10 checksum blocks per 5000-token shard
-        mp.setattr(prepare_module, "BLOCK_BYTES", BLOCK)
-        return prepare_data(cfg, 512).dir
+    """10 checksum blocks per 5000-token shard (helpers.docs_prepared)."""
+    return docs_prepared(tmp_path_factory.mktemp("loader"), BLOCK)
 
 
 def take(loader, n_micro):

@@ -142,3 +142,29 @@ def test_integration_matrix(overrides, tol, baseline, runs):
     out = runs / ("matrix-" + "-".join(o.split("=")[1] for o in overrides))
     train(out, overrides)
     _close(losses(out), losses(baseline), tol)
+
+
+def test_a_killed_launcher_stops_its_ranks_with_a_checkpoint(tmp_path):
+    """kill -9 of ``deepspeed.launcher.launch`` (issue 29): its ranks used to train on
+    unsupervised. Now each rank gets SIGTERM from the kernel as its launcher dies, finishes its
+    step, saves, says why and exits; nothing is left running."""
+    import psutil
+
+    from helpers import launcher_cmd, losses_so_far, rank_pid, wait_for
+    from llama_train.checkpoint import find_latest
+
+    out = tmp_path / "run"
+    cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", "trainer.max_steps=100000",
+                        "trainer.save_every=100000", "trainer.eval_every=100000"])
+    log = tmp_path / "run.log"
+    with spawn(cmd, log) as proc:
+        assert wait_for(lambda: len(losses_so_far(out)) >= 2, 240), tail(log)
+        launcher = next(p for p in psutil.Process(proc.pid).children()
+                        if "deepspeed.launcher.launch" in " ".join(p.cmdline()))
+        ranks = [psutil.Process(rank_pid(proc.pid, r)) for r in (0, 1)]
+        launcher.kill()
+        _, alive = psutil.wait_procs(ranks, timeout=60)
+        assert not alive, f"ranks still running 60 s after their launcher died\n{tail(log)}"
+    latest, _ = find_latest(out / "checkpoints")
+    assert latest is not None and int(latest.name.split("_")[1]) >= 2, tail(log)
+    assert "launcher of this rank is gone" in log.read_text(), tail(log)

@@ -382,7 +382,7 @@ def test_tampered_file_is_never_unpickled(ckpt_faults):
         r["tampered_explicit_resume"]
     assert not r["payload_ran_after_verify"]
     # checksums off: DeepSpeed's own load goes through the restricted unpickler and refuses
-    assert r["tampered_unchecked_load"].startswith("UnpicklingError")
+    assert "UnpicklingError" in r["tampered_unchecked_load"]
     assert not r["payload_ran_after_restricted_load"]
 
 

@@ -26,7 +26,8 @@ MAY_CHANGE = {
     "deepspeed.stage3_prefetch_bucket_size", "deepspeed.stage3_param_persistence_threshold",
     "deepspeed.steps_per_print", "data.name", "data.prepared_dir", "data.num_proc",
     "data.num_workers", "data.verify", "data.shard_tokens", "data.dtype", "data.streaming",
-    "data.tokenizer", "data.tokenizer_max_sentences", "model.activation_checkpointing",
+    "data.tokenizer", "data.tokenizer_max_sentences", "data.tokenizer_max_line_bytes",
+    "model.activation_checkpointing",
     "deepspeed.stage3_max_live_parameters", "deepspeed.stage3_max_reuse_distance",
     "deepspeed.sub_group_size",
 }

@@ -13,14 +13,11 @@ sum: 1e-6.
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import pytest
-import torch
 
-from helpers import (REPO, ZERO3, assert_losses_close, copy_at_step, losses, metrics, one_process,
-                     resumed_from, tail, train)
+from helpers import (ZERO3, assert_hf_logits_match, assert_losses_close, copy_at_step, export_hf,
+                     losses, metrics, one_process, resumed_from, tail, train)
 
 pytestmark = pytest.mark.slow
 
@@ -98,20 +95,11 @@ def test_export_then_init_from(reference, runs, tmp_path):
     """A ZeRO-3 checkpoint exports to a Hugging Face model computing our logits; a new ZeRO-3
     run initialised from it (rank 0 loads, one gathered parameter at a time) starts at the
     reference's validation loss."""
-    transformers = pytest.importorskip("transformers")
-    from llama_train.checkpoint import load_consolidated
-    from llama_train.model import Transformer
+    pytest.importorskip("transformers")
 
     hf_dir = tmp_path / "hf"
-    subprocess.run([sys.executable, "-c", "from llama_train.hf import export_main; export_main()",
-                    str(reference / "checkpoints"), str(hf_dir)], check=True, cwd=REPO)
-    args, sd, _ = load_consolidated(str(reference / "checkpoints"))
-    ours = Transformer(args)
-    ours.load_state_dict(sd)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
-    x = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert (hf.eval()(x).logits - ours.eval()(x)).abs().max().item() < 1e-4
+    export_hf(reference / "checkpoints", hf_dir)
+    assert_hf_logits_match(reference / "checkpoints", hf_dir)
 
     out = runs / "init_from"
     train(out, ["deepspeed.zero_stage=3", f"trainer.init_from={hf_dir}", "trainer.max_steps=1",
@@ -132,6 +120,5 @@ def test_offload_trains_resumes_exactly_and_exports(reference, runs, tmp_path):
     assert resumed_from(part) == [str(part / "checkpoints" / "step_00000002")]
     assert losses(part) == losses(full)
     hf_dir = tmp_path / "hf"
-    subprocess.run([sys.executable, "-c", "from llama_train.hf import export_main; export_main()",
-                    str(part / "checkpoints"), str(hf_dir)], check=True, cwd=REPO)
+    export_hf(part / "checkpoints", hf_dir)
     assert (hf_dir / "config.json").is_file() and list(hf_dir.glob("*.safetensors"))

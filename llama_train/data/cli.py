@@ -89,6 +89,7 @@ def _cmd_train_tokenizer(args: argparse.Namespace) -> int:
     path = train_tokenizer(
         open_source(cfg).iter_texts(), args.vocab_size, args.out,
         max_sentences=cfg.tokenizer_max_sentences, seed=cfg.seed,
+        max_line_bytes=cfg.tokenizer_max_line_bytes, source=f"data.source={cfg.source!r}",
     )
     tok = Tokenizer(path)
     print(json.dumps({"tokenizer": path, "vocab_size": tok.vocab_size, "sha256": tok.sha256,

@@ -85,7 +85,8 @@ class DataConfig:
     """Where the text comes from, how it is tokenized and packed, and how it is loaded.
 
     Fields that change the tokens (source, tokenizer, split, column, val_fraction, add_bos,
-    dtype, max_documents, text_sample_by, tokenizer_max_sentences) are hashed into the prepared
+    dtype, max_documents, text_sample_by, tokenizer_max_sentences, tokenizer_max_line_bytes when
+    not its default) are hashed into the prepared
     directory name; the rest (num_proc, shard_tokens, num_workers, ...) only change speed/layout.
     """
 
@@ -115,6 +116,11 @@ class DataConfig:
     and store it with the shards (prepared_dir/tokenizer.model)."""
     tokenizer_max_sentences: int = may_change(1_000_000)
     """Cap on the lines used to train a tokenizer (speed)."""
+    tokenizer_max_line_bytes: int = may_change(16384)
+    """Longest line, in UTF-8 bytes, a tokenizer is trained on (SentencePiece's
+    max_sentence_length; 16384 = tokenizer.MAX_LINE_BYTES). Longer lines are left out of
+    training (a warning says how many); a source with no shorter line is an error naming this
+    key. Encoding is not limited by it. Changes the tokenizer trained, so the data's hash."""
     prepared_dir: Optional[str] = may_change(None)
     """None: `llama_train.paths.cache_dir()/<name>-<hash>`."""
     val_fraction: float = 0.01
@@ -167,6 +173,9 @@ class DataConfig:
             raise DataError(f"data.max_documents={self.max_documents} must be >= 1 or null")
         if self.tokenizer_max_sentences < 0:
             raise DataError(f"data.tokenizer_max_sentences={self.tokenizer_max_sentences} must be >= 0")
+        if not 1 <= self.tokenizer_max_line_bytes <= 2**31 - 1:
+            raise DataError(f"data.tokenizer_max_line_bytes={self.tokenizer_max_line_bytes} must be "
+                            f"in [1, 2**31 - 1] (SentencePiece's max_sentence_length is an int32)")
 
     @classmethod
     def from_any(cls, cfg) -> "DataConfig":

@@ -19,7 +19,9 @@ costs nothing and is identical on any machine and numpy version.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
+import signal
 import weakref
 
 import logging
@@ -30,8 +32,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from .errors import DataError
+from .errors import DataChanged, DataError
 from .packed import PackedTokens
+from llama_train import watchdog
 from llama_train.util import splitmix64
 
 log = logging.getLogger(__name__)
@@ -106,7 +109,7 @@ class _Windows:
 
     def read(self, window_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         L = self.seq_len
-        rows = np.stack([self.tokens[int(w) * L : int(w) * L + L + 1] for w in window_ids])
+        rows = self.tokens.windows([int(w) * L for w in window_ids], L + 1)  # checked, unchanged
         w = torch.from_numpy(rows.astype(np.int64))  # (B, L+1)
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # x, y: (B, L)
 
@@ -187,6 +190,12 @@ class TrainLoader:
     `state_dict()["consumed_samples"]` counts the global samples of the complete global batches
     yielded so far (= optimizer steps x global_batch); `load_state_dict` jumps to any global
     sample position without reading the skipped data, on any world size / micro batch.
+
+    `data_timeout_s` (the trainer passes comm.timeout_s): a wait for the next micro-batch that
+    outlives it stops the rank with exit 5 (watchdog.Deadline), naming the rank, the step and
+    the workers' state, the workers SIGKILLed first: a stopped worker, or a read hung on a file
+    system, would otherwise hang the job without a word (its heartbeat runs on). A shard that
+    changes under the job stops it with DataChanged (exit 3) naming the rank and the step.
     """
 
     def __init__(
@@ -203,6 +212,7 @@ class TrainLoader:
         split: str = "train",
         verify: bool = False,
         prefetch_factor: int = 4,
+        data_timeout_s: Optional[float] = None,
     ):
         _check_positive(seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch, dp_world=dp_world)
         if not 0 <= dp_rank < dp_world:
@@ -249,9 +259,11 @@ class TrainLoader:
             pin_memory=pin,
             persistent_workers=num_workers > 0,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
-            worker_init_fn=_ignore_stop_signals if num_workers > 0 else None,
+            worker_init_fn=_init_worker if num_workers > 0 else None,
         )
         self._generation = 0
+        self._deadline = (watchdog.Deadline("data loader", data_timeout_s, self.dp_rank,
+                                            self._stalled) if data_timeout_s else None)
         if num_workers > 0:  # workers ignore SIGTERM, so they must be stopped before exit
             atexit.register(_close_if_alive, weakref.ref(self))
 
@@ -261,6 +273,25 @@ class TrainLoader:
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
         self._loader._iterator = None
+
+    def _stalled(self) -> str:
+        """What the rank waits on, for the deadline's line; every worker SIGKILLed, since a
+        stopped one ignores SIGTERM until continued and would outlive the rank. Runs in the
+        deadline's thread while the loop still waits."""
+        it = getattr(self._loader, "_iterator", None)
+        workers = list(getattr(it, "_workers", None) or [])
+        if not workers:
+            return ("data.num_workers=0: this process reads the shards itself and one read has "
+                    "not returned (a hung file system or disk?); its stack is below")
+        said = []
+        for w in workers:
+            said.append(f"pid {w.pid}, which {_describe_state(w.pid)}")
+            try:
+                os.kill(w.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return (f"no batch came from its DataLoader worker{'s' if len(said) > 1 else ''}: "
+                f"{'; '.join(said)}; killed (SIGKILL)")
 
     # --- facts -----------------------------------------------------------------------------
     @property
@@ -300,17 +331,28 @@ class TrainLoader:
     def _run(self, gen: int, start: int, it) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         per_step = self.micro_batches_per_step
         count = 0
+        deadline = self._deadline or contextlib.nullcontext()
         while True:
             if gen != self._generation:  # checked before next(): never steal the new iterator's batch
                 raise RuntimeError("TrainLoader was repositioned or re-iterated; use the new iterator")
             try:
-                batch = next(it)
+                with deadline:
+                    batch = next(it)
             except DataError as e:  # e.g. a shard failing its sha256 check in a worker
-                raise _unwrap_worker_error(e) from None
+                raise self._where(_unwrap_worker_error(e)) from None
             count += 1
             if count % per_step == 0:  # this micro-batch completes a global batch
                 self.consumed_samples = start + (count // per_step) * self.global_batch
             yield batch
+
+    def _where(self, e: DataError) -> DataError:
+        """A shard that changed under the job: say which rank stopped, at which step (the
+        loop's, as the watchdog has it), before training on the changed data."""
+        if not isinstance(e, DataChanged):
+            return e
+        step, _ = watchdog.position()
+        at = f" at step {step}" if step is not None else ""
+        return type(e)(f"{e}; rank {self.dp_rank} stopped{at}, before training on it")
 
     # --- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -443,15 +485,63 @@ def eval_sets(prepared_dir, seq_len: int, batch_size: int, sequences: int, dp_ra
 def _unwrap_worker_error(e: DataError) -> DataError:
     """torch re-raises a DataLoader worker's exception as the same type whose message is the
     worker's whole traceback; give back the worker's own one-line message (the trainer prints
-    it as the error, exit 2), saying which worker raised it."""
+    it as the error: exit 2, DataChanged 3), of the same type, saying which worker raised it."""
+    cls = type(e)
     msg = str(e)
     head, _, rest = msg.partition("\n")
-    tag = f"{DataError.__module__}.{DataError.__qualname__}: "
+    tag = f"{cls.__module__}.{cls.__qualname__}: "
     at = rest.rfind(tag)
-    if not head.startswith("Caught DataError") or at < 0:
+    caught = f"Caught {cls.__name__} "
+    if not head.startswith(caught) or at < 0:
         return e
-    where = head[len("Caught DataError "):].rstrip(".")
-    return DataError(f"{rest[at + len(tag):].strip()} (raised {where})")
+    where = head[len(caught):].rstrip(".")
+    return cls(f"{rest[at + len(tag):].strip()} (raised {where})")
+
+
+_STATES = {
+    "T": "is stopped (state T: SIGSTOP, or a job-control stop)",
+    "t": "is stopped by a debugger (state t)",
+    "D": "is in uninterruptible I/O (state D: a hung file system or disk)",
+    "R": "is running (state R: busy, or starved of CPU)",
+    "S": "is sleeping (state S: waiting on something)",
+    "Z": "has exited (state Z)",
+}
+
+
+def _describe_state(pid: int) -> str:
+    """A process's scheduler state in words (/proc/PID/stat field 3)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            s = f.read()
+        state = s[s.rindex(")") + 2:].split()[0]
+    except (OSError, ValueError, IndexError):
+        return "(its state unknown: gone?)"
+    return _STATES.get(state, f"(state {state})")
+
+
+def _init_worker(worker_id: int) -> None:
+    """A DataLoader worker: stop signals left to the trainer, and no life without its rank."""
+    _ignore_stop_signals(worker_id)
+    _die_with_parent()
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this worker when the rank that forked it dies, however it dies (kill -9,
+    os._exit): a worker that is stopped, or ignores SIGTERM, would otherwise outlive it
+    (Linux PR_SET_PDEATHSIG; elsewhere nothing)."""
+    import multiprocessing
+
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):
+        return
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the prctl
+        os._exit(0)
 
 
 def _ignore_stop_signals(_worker_id: int) -> None:

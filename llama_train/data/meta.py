@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .errors import DataError
-from .tokenizer import Tokenizer
+from .tokenizer import MAX_LINE_BYTES, Tokenizer
 
 if TYPE_CHECKING:
     from .config import DataConfig
@@ -76,6 +76,8 @@ def tokenizer_settings(cfg: DataConfig, vocab_size: Optional[int]) -> tuple:
             "max_sentences": cfg.tokenizer_max_sentences,
             "recipe": TOKENIZER_RECIPE,
         }
+        if cfg.tokenizer_max_line_bytes != MAX_LINE_BYTES:  # the default keeps the names of before
+            tok_settings["max_line_bytes"] = cfg.tokenizer_max_line_bytes
     return int(vocab_size), tok_settings
 
 

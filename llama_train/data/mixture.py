@@ -299,4 +299,6 @@ def _train_mixture_tokenizer(cfg, entries, sources, vocab_size: int, out: Path) 
              ", ".join(f"{e.name} {float(e.weight):g}" for e in entries))
     limit = cfg.tokenizer_max_sentences or 1_000_000
     train_tokenizer(weighted_texts(entries, sources, limit), vocab_size, out / "tokenizer",
-                    max_sentences=cfg.tokenizer_max_sentences, seed=cfg.seed)
+                    max_sentences=cfg.tokenizer_max_sentences, seed=cfg.seed,
+                    max_line_bytes=cfg.tokenizer_max_line_bytes, source="data.mixture",
+                    where=lambda doc, i: f"line {i} of the mixture's document {doc}")

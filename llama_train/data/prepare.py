@@ -304,6 +304,8 @@ def _tokenizer_into(out: Path, cfg: DataConfig, source: Source, vocab_size: int)
         model = train_tokenizer(
             source.iter_texts(), vocab_size, out / "tokenizer",
             max_sentences=cfg.tokenizer_max_sentences, seed=cfg.seed,
+            max_line_bytes=cfg.tokenizer_max_line_bytes, source=f"data.source={cfg.source!r}",
+            where=_line_namer(cfg, source),
         )
         assert Path(model) == tok_path
         trained = True
@@ -311,6 +313,15 @@ def _tokenizer_into(out: Path, cfg: DataConfig, source: Source, vocab_size: int)
     if tok.vocab_size != vocab_size:
         raise DataError(f"trained tokenizer has vocab_size={tok.vocab_size}, expected {vocab_size}")
     return tok, trained
+
+
+def _line_namer(cfg: DataConfig, source: Source):
+    """(document, line) -> where that line is, for tokenizer training's messages: the file and
+    line for one .txt file read as one document, else the document's number in the source."""
+    if source.kind == "local" and len(source.files) == 1 and cfg.text_sample_by == "document" \
+            and source.files[0].endswith(".txt"):
+        return lambda doc, i: f"line {i} of {source.files[0]}"
+    return lambda doc, i: f"line {i} of document {doc} of data.source={cfg.source!r}"
 
 
 def _check_documents(cfg: DataConfig, docs: dict, splits: dict) -> None:

@@ -20,8 +20,12 @@ from .errors import DataError
 log = logging.getLogger(__name__)
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, -1
-# SentencePiece silently skips training sentences longer than this many bytes.
-_MAX_SENTENCE_BYTES = 16384
+# SentencePiece skips, without a word, training lines longer than this many bytes (its
+# max_sentence_length): data.tokenizer_max_line_bytes's default, what every tokenizer trained
+# before that key existed used. Longer lines are counted here and left out before they reach it
+# (the same model), so a source of nothing but long lines is named, not SentencePiece's
+# "INTERNAL ... [!sentences_.empty()]".
+MAX_LINE_BYTES = 16384
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -116,17 +120,49 @@ def _normalized_model(proto: bytes) -> bytes:
     return m.SerializeToString(deterministic=True)
 
 
-def _training_sentences(texts: Iterable[str], max_sentences: int) -> Iterator[str]:
-    """Documents split into non-empty lines, the unit SentencePiece trains on."""
+def _numbered_lines(texts: Iterable[str], max_sentences: int) -> Iterator[tuple]:
+    """Documents split into non-empty lines, the unit SentencePiece trains on: (document,
+    line, text), numbered from 1, the first `max_sentences` of them (0: all)."""
     n = 0
-    for text in texts:
-        for line in text.split("\n"):
+    for doc, text in enumerate(texts, 1):
+        for i, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
-            yield line
+            yield doc, i, line
             n += 1
             if max_sentences and n >= max_sentences:
                 return
+
+
+class _LongLines:
+    """The training lines longer than SentencePiece takes: how many, their bytes, the longest
+    and where it is (``where(document, line)``)."""
+
+    def __init__(self, max_bytes: int, where):
+        self.max_bytes, self.where = max_bytes, where
+        self.lines = self.skipped = self.skipped_bytes = self.longest = 0
+        self.longest_at = ""
+
+    def too_long(self, doc: int, i: int, line: str) -> bool:
+        self.lines += 1
+        if len(line) * 4 <= self.max_bytes:  # UTF-8: at most 4 bytes a character
+            return False
+        n = len(line.encode("utf-8", "surrogatepass"))
+        if n <= self.max_bytes:
+            return False
+        self.skipped += 1
+        self.skipped_bytes += n
+        if n > self.longest:
+            self.longest, self.longest_at = n, self.where(doc, i)
+        return True
+
+    def say(self) -> str:
+        return (f"the longest, {self.longest:,} bytes, is {self.longest_at}")
+
+    def fix(self) -> str:
+        return (f"put line breaks in the text (the tokenizer trains on lines: one a sentence or "
+                f"paragraph), raise data.tokenizer_max_line_bytes above {self.longest} (time "
+                f"and memory grow with it), or set data.tokenizer= to a trained .model")
 
 
 # LLaMA's SentencePiece recipe: byte-fallback BPE, digits split, no normalization and no
@@ -147,7 +183,6 @@ _TRAINER_SETTINGS = dict(
     bos_id=BOS_ID,
     eos_id=EOS_ID,
     pad_id=PAD_ID,
-    max_sentence_length=_MAX_SENTENCE_BYTES,
     minloglevel=2,
 )
 
@@ -160,12 +195,18 @@ def train_tokenizer(
     max_sentences: int = 1_000_000,
     seed: int = 1234,
     num_threads: int | None = None,
+    max_line_bytes: int = MAX_LINE_BYTES,
+    source: str = "this source",
+    where=None,
 ) -> str:
     """Train a LLaMA-style BPE model on `texts`; writes `<model_prefix>.model` and returns its path.
 
     `max_sentences` caps the lines read (the first N non-empty lines) so training stays fast on
     large sources; BPE merges saturate long before that on natural text. The same texts give a
     byte-identical model file (same sha256) whatever the path, thread count or machine.
+    Lines longer than `max_line_bytes` are left out (SentencePiece's own limit): a warning says
+    how many, a DataError if no line is left. `source` and `where(document, line) -> str` name
+    them in those messages.
     """
     import io
 
@@ -180,15 +221,17 @@ def train_tokenizer(
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     counted = {"sentences": 0}
     source_error: list[BaseException] = []
+    long = _LongLines(max_line_bytes, where or (lambda doc, i: f"line {i} of document {doc}"))
 
     def sentences() -> Iterator[str]:
         # SentencePiece stops at an exception raised inside its iterator but turns it into a
         # RuntimeError carrying a traceback: keep the source's own error (a DataError naming
         # the file and row) to raise as it is.
         try:
-            for s in _training_sentences(texts, max_sentences):
+            for doc, i, s in _numbered_lines(texts, max_sentences):
                 counted["sentences"] += 1
-                yield s
+                if not long.too_long(doc, i, s):  # SentencePiece would skip it: the same model
+                    yield s
         except Exception as e:
             source_error.append(e)
             raise
@@ -198,11 +241,22 @@ def train_tokenizer(
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=sentences(), model_writer=writer, vocab_size=vocab_size,
-            num_threads=num_threads or os.cpu_count() or 1, **_TRAINER_SETTINGS)
+            num_threads=num_threads or os.cpu_count() or 1, max_sentence_length=max_line_bytes,
+            **_TRAINER_SETTINGS)
     except RuntimeError as e:
         if source_error:
             raise source_error[0] from None
-        raise _training_error(e, vocab_size, counted["sentences"]) from e
+        if long.skipped and long.skipped == long.lines:
+            raise DataError(
+                f"cannot train a tokenizer on {source}: all {long.lines} of its non-empty lines "
+                f"are longer than data.tokenizer_max_line_bytes={max_line_bytes}, the longest "
+                f"line a tokenizer is trained on ({long.say()}): {long.fix()}") from None
+        raise _training_error(e, vocab_size, counted["sentences"], long) from e
+    if long.skipped:
+        log.warning("tokenizer training on %s left out %d of %d lines (%s bytes) longer than "
+                    "data.tokenizer_max_line_bytes=%d (%s): to train on them, %s", source,
+                    long.skipped, long.lines, f"{long.skipped_bytes:,}", max_line_bytes,
+                    long.say(), long.fix())
     path = prefix + ".model"
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -212,9 +266,13 @@ def train_tokenizer(
     return path
 
 
-def _training_error(e: RuntimeError, vocab_size: int, sentences: int) -> DataError:
+def _training_error(e: RuntimeError, vocab_size: int, sentences: int,
+                    long: "_LongLines | None" = None) -> DataError:
     """SentencePiece's training failure, said in terms of the source and data.* settings."""
     msg = str(e)
+    if long is not None and long.skipped:  # what is left may be too little: say what is not
+        msg += (f" ({long.skipped} of the {long.lines} lines were left out as longer than "
+                f"data.tokenizer_max_line_bytes={long.max_bytes}; {long.say()})")
     if sentences == 0:
         return DataError("cannot train a tokenizer: the source has no non-empty text")
     if "smaller than required_chars" in msg:

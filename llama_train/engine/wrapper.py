@@ -99,6 +99,31 @@ class Engine:
         if held:
             raise held[0]
 
+    def weights_finite(self) -> bool:
+        """Whether every weight this rank holds is finite: the model's parameters (under ZeRO-3
+        this rank's partition, ``ds_tensor``, not the empty placeholders) and the optimizer's
+        fp32 master copies (ZeRO's partitions, the 16-bit wrappers' flat groups). A save asks
+        before writing: NaN weights must never become a checkpoint that vouches for them. Local
+        only; the caller makes the ranks agree."""
+        tensors = [p.ds_tensor if hasattr(p, "ds_tensor") else p.data
+                   for p in self.ds.module.parameters()]
+        opt = self.ds.optimizer
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
+                     "fp32_groups_flat_partition", "fp32_groups_flat"):
+            tensors += [t for t in getattr(opt, attr, None) or [] if torch.is_tensor(t)]
+        # A sum is NaN/inf when any element is (and costs a 30th of isfinite(), which writes a
+        # mask); only a non-finite sum, which an overflow could also give, is checked exactly.
+        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for t in tensors:
+            if t.numel():
+                by_device.setdefault(t.device, []).append(t)
+        for ts in by_device.values():  # one sync per device
+            sums = torch.stack([t.sum(dtype=torch.float32) for t in ts])
+            if not bool(torch.isfinite(sums).all()) and \
+                    not all(bool(torch.isfinite(t).all()) for t in ts):
+                return False
+        return True
+
     def load(self, path: str, tag: str) -> bool:
         """Weights, optimizer and scheduler state. Every file is unpickled with torch's
         restricted (weights-only) loader: see :func:`restricted_loads`."""
