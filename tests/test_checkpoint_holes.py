@@ -106,10 +106,14 @@ def small_run(tmp_path_factory):
 
 
 def test_tokenizer_changed_mid_run_fails_the_save_and_keeps_the_good_checkpoint(tmp_path, capsys):
-    _, prepared = tiny_prepared()
-    tok = Path(prepared.tokenizer_path)
+    import shutil
+
+    _, shared = tiny_prepared()
+    data = tmp_path / "data"  # a copy: the session's prepared data is read by other tests
+    shutil.copytree(shared.dir, data)  # (and by another pytest-xdist worker meanwhile)
+    tok = data / "tokenizer.model"
     good = tok.read_bytes()
-    assert _sha(tok) == prepared.meta["tokenizer"]["sha256"]
+    assert _sha(tok) == shared.meta["tokenizer"]["sha256"]
 
     class Truncate(Hook):
         def on_step_begin(self, step):
@@ -117,12 +121,10 @@ def test_tokenizer_changed_mid_run_fails_the_save_and_keeps_the_good_checkpoint(
                 tok.write_bytes(good[: len(good) // 2])
 
     out = tmp_path / "tok"
-    try:
-        code, errors, err = _job([f"trainer.output_dir={out}", "trainer.max_steps=4",
-                                  "trainer.save_every=2", "trainer.keep_last=1"], capsys,
-                                 hooks=[Truncate()])
-    finally:
-        tok.write_bytes(good)  # the session's prepared data, shared by other tests
+    code, errors, err = _job([f"trainer.output_dir={out}", "trainer.max_steps=4",
+                              "trainer.save_every=2", "trainer.keep_last=1",
+                              f"data.prepared_dir={data}"], capsys, hooks=[Truncate()])
+    prepared = shared
     assert code == 3, err[-3000:]
     assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
     msg = errors[0]
