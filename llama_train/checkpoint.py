@@ -46,7 +46,7 @@ from llama_train.config import ConfigError
 from llama_train.engine.ds_checkpoint import (consolidate_fp32, convert_to_universal, failed_file,
                                               load_error_cause)
 from llama_train.hooks import Hook
-from llama_train.util import fsync_dir, fsync_tree
+from llama_train.util import free_bytes, fsync_dir, fsync_tree, within
 
 log = logging.getLogger("llama_train")
 
@@ -249,15 +249,10 @@ def existing_history(output_dir: str, metrics_file: str) -> List[str]:
     found = [p.name for p in _step_dirs(out / "checkpoints")]
     found = [f"checkpoints/{n}" for n in reversed(found)]
     metrics = out / metrics_file
-    if _inside(metrics, out) and metrics.is_file() and metrics.stat().st_size > 0:
+    if within(metrics, out) and metrics.is_file() and metrics.stat().st_size > 0:
         found.append(metrics_file)
     return found
 
-
-def _inside(path: Path, out: Path) -> bool:
-    """Whether ``path`` lies in ``out`` (lexically: a link is not followed out of it)."""
-    out = Path(os.path.abspath(out))
-    return out in Path(os.path.abspath(path)).parents
 
 
 def set_aside_history(output_dir: str, mode: str, extra: Tuple[str, ...] = ()) -> Optional[Path]:
@@ -269,7 +264,7 @@ def set_aside_history(output_dir: str, mode: str, extra: Tuple[str, ...] = ()) -
     # only what lies inside the output dir is its history (an absolute metrics file or W&B
     # dir elsewhere is never moved or deleted), and a link is moved or deleted as a link
     present = [out / n for n in (*RUN_FILES, *extra)
-               if _inside(out / n, out) and ((out / n).exists() or (out / n).is_symlink())]
+               if within(out / n, out) and ((out / n).exists() or (out / n).is_symlink())]
     if mode == "overwrite":
         for p in present:
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
@@ -630,10 +625,7 @@ def _filesystem(path: Path) -> Tuple[Path, Optional[int]]:
     p = Path(path).absolute()
     while not os.path.ismount(p) and p != p.parent:
         p = p.parent
-    try:
-        return p, shutil.disk_usage(path).free
-    except OSError:
-        return p, None
+    return p, free_bytes(path)
 
 
 def _space_note(root: Path, previous: Optional[Path]) -> str:

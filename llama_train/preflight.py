@@ -222,9 +222,11 @@ def _check_outside_metrics_file(cfg: Config) -> None:
     """A fresh start begins a new metrics file. One outside trainer.output_dir (an absolute
     tracking.metrics_file) is no part of the output dir's history, so it is never replaced,
     archived or deleted: a fresh start refuses while it holds records."""
+    from llama_train.util import within
+
     out = Path(cfg.trainer.output_dir).absolute()
     metrics = (out / cfg.tracking.metrics_file).absolute()
-    if out in metrics.parents:
+    if within(metrics, out):
         return
     if metrics.is_file() and metrics.stat().st_size > 0:
         raise ConfigError(

@@ -30,6 +30,7 @@ from llama_train.hooks import Hook
 from llama_train.paths import CONFIG_DIR
 from llama_train.preflight import preflight, setup_logging
 from llama_train.proc import exit_skipping_teardown
+from llama_train.util import free_bytes, within
 
 log = logging.getLogger("llama_train")
 
@@ -160,16 +161,12 @@ DISK_ERRNOS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPER
 
 
 def _in_output_dir(e: OSError, output_dir: str) -> bool:
-    out = Path(output_dir).absolute()
-    return (e.errno in DISK_ERRNOS and e.filename is not None
-            and (out == Path(e.filename).absolute() or out in Path(e.filename).absolute().parents))
+    return e.errno in DISK_ERRNOS and e.filename is not None and within(e.filename, output_dir)
 
 
 def _disk_error(e: OSError, cfg: Optional[Config]) -> str:
     """What an OSError on a file outside the checkpoints says: the file, the cause, the free
     space of its filesystem, and which setting puts files there."""
-    import shutil
-
     from llama_train.paths import cache_dir
 
     path = Path(e.filename or ".").absolute()
@@ -180,17 +177,11 @@ def _disk_error(e: OSError, cfg: Optional[Config]) -> str:
                           (cache_dir(), "the LLAMA_TRAIN_CACHE directory (data.prepared_dir)"),
                           (os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface",
                            "the Hugging Face cache (HF_HOME / HF_DATASETS_CACHE)")):
-            if root and (Path(root).absolute() == path or Path(root).absolute() in path.parents):
+            if root and within(path, root):
                 where = key
                 break
-    free = ""
-    probe = path
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
-    try:
-        free = f"; {shutil.disk_usage(probe).free / 2**20:.1f} MiB free on its filesystem"
-    except OSError:
-        pass
+    free = free_bytes(path)
+    free = f"; {free / 2**20:.1f} MiB free on its filesystem" if free is not None else ""
     cause = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
              errno.EROFS: "the filesystem is read-only", errno.EBUSY: "the file is busy (in use "
              "by another program, or a mount point)"}.get(e.errno, e.strerror or str(e))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 
 def fsync_dir(d: Path) -> None:
@@ -30,6 +30,27 @@ def fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
     for d in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
         fsync_dir(d)
+
+
+def within(path: Any, root: Any) -> bool:
+    """Whether ``path`` is ``root`` or lies under it, lexically (absolute paths, ``..``
+    resolved, links not followed: a link in ``root`` does not take its target inside)."""
+    path, root = Path(os.path.abspath(path)), Path(os.path.abspath(root))
+    return path == root or root in path.parents
+
+
+def free_bytes(path: Any) -> Optional[int]:
+    """Free bytes on the filesystem that holds ``path`` (or would: its nearest existing
+    ancestor); None where that cannot be read."""
+    import shutil
+
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
 
 
 def jsonable(x: Any) -> Any:
