@@ -284,7 +284,9 @@ class CheckpointManager:
     """Saves and finds checkpoints; every rank calls ``save`` (DeepSpeed writes shards per rank)."""
 
     def __init__(self, output_dir: str, keep_last: int, checksums: bool, rank: int,
-                 world_size: int, hooks: Sequence[Hook] = ()):
+                 world_size: int, hooks: Sequence[Hook] = (), lead: Optional[bool] = None):
+        """``lead``: whether this process does rank 0's part (the directory, the manifest, the
+        choice of checkpoint); default: rank 0. A simulated rank leads its job of one."""
         self.output_dir = output_dir
         self.root = Path(output_dir) / "checkpoints"
         self.hooks = list(hooks)  # on_checkpoint_dir / checkpoint_writes (fault injection)
@@ -292,6 +294,7 @@ class CheckpointManager:
         self.checksums = checksums
         self.rank = rank
         self.world_size = world_size
+        self.lead = rank == 0 if lead is None else lead
 
     # -- save --------------------------------------------------------------------------------
     def save(self, engine, step: int, trainer_state: Dict[str, Any], rank_state: Dict[str, Any],
@@ -306,7 +309,7 @@ class CheckpointManager:
         error: Optional[str] = None
         fix: Optional[str] = None  # what to do, when it is not "free space" (agreed with error)
         try:
-            if self.rank == 0:
+            if self.lead:
                 self.root.mkdir(parents=True, exist_ok=True)
                 if tmp.exists():
                     shutil.rmtree(tmp)
@@ -327,7 +330,7 @@ class CheckpointManager:
             except Exception as e:  # noqa: BLE001 - disk full, permissions, ...
                 error = f"rank {self.rank}: {type(e).__name__}: {e}"
             error = _agree(error)
-        if error is None and self.rank == 0:
+        if error is None and self.lead:
             try:
                 (tmp / STATE).write_text(json.dumps(trainer_state, indent=1))
                 self._describe(tmp, describe)
@@ -345,7 +348,7 @@ class CheckpointManager:
         agreed = _agree((error, fix) if error is not None else None)
         if agreed is not None:
             error, fix = agreed
-            if self.rank == 0:
+            if self.lead:
                 shutil.rmtree(tmp, ignore_errors=True)
             previous, _ = find_latest(self.root, checksums=False)
             left = " (could not remove it: remove it by hand)" if tmp.exists() else ""
@@ -357,7 +360,7 @@ class CheckpointManager:
                 + (fix or f"Free space or fix permissions in {self.root}, then relaunch: it "
                           f"resumes from the newest (trainer.resume=auto).")
             )
-        if self.rank == 0:
+        if self.lead:
             try:  # only a hint (the scan decides): failing to update it loses nothing
                 latest_tmp = self.root / ".latest.tmp"
                 latest_tmp.write_text(name + "\n")
@@ -433,16 +436,17 @@ class CheckpointManager:
         import torch.distributed as dist
 
         choice: List[Any] = [None, [], None]  # path, warnings, the error every rank raises
-        if self.rank == 0:
+        if self.lead:
             try:
                 choice = [*self._choose(resume, on_existing, (metrics_file, *run_files)), None]
             except (CheckpointError, ConfigError, OSError) as e:  # OSError: setting aside
                 choice = [None, [], e]  # the old history (EBUSY, a full disk): all ranks raise
-        dist.broadcast_object_list(choice, src=0)
+        if not (self.lead and self.rank != 0):  # else a simulated rank: it chose alone
+            dist.broadcast_object_list(choice, src=0)
         path, warnings, error = choice
         if error is not None:
             raise error
-        if self.rank == 0:
+        if self.lead:
             for w in warnings:
                 log.warning(w)
         return Path(path) if path else None

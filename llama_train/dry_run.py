@@ -13,11 +13,11 @@ def dry_run(cfg: Config) -> None:
     from llama_train.engine import detect_runtime
     from llama_train.model import count_params, flops_per_token
 
-    rt = detect_runtime(cfg.trainer.device)
-    setup_logging(rt.rank)
+    rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
+    setup_logging(rt.rank, rt.is_main)
     cfg, experiment = plan_experiment(cfg, rt.world_size)
     plan = validate(cfg, rt.world_size, rt.device_type)
-    if rt.rank != 0:
+    if not rt.is_main:
         return
     t, m = cfg.trainer, cfg.model
     n, fpt = count_params(m), flops_per_token(m, t.seq_len)

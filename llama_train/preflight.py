@@ -21,9 +21,10 @@ from llama_train.config import (BatchPlan, Config, ConfigError, config_warnings,
 log = logging.getLogger("llama_train")
 
 
-def setup_logging(rank: int) -> None:
+def setup_logging(rank: int, main: Optional[bool] = None) -> None:
+    """INFO on the rank that does rank 0's duties (``main``, default: rank 0), else WARNING."""
     logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
+        level=logging.INFO if (rank == 0 if main is None else main) else logging.WARNING,
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
         force=True,
@@ -67,7 +68,7 @@ class Preflight:
             self.resume = check_resume(
                 ckpt, read_state(ckpt), self.run_config(), self.rt.world_size,
                 self.plan.global_batch, self.cfg.trainer.allow_config_change,
-                self.prepared.meta["tokenizer"].get("sha256"))
+                self.prepared.meta["tokenizer"].get("sha256"), self.cfg.comm.simulate)
         return self.resume
 
 
@@ -83,11 +84,16 @@ def preflight(cfg: Config) -> Preflight:
     from llama_train.runlock import RunLock, check_not_held_by_another_job
     from llama_train.tracking import check_wandb_env
 
-    rt = detect_runtime(cfg.trainer.device)
-    setup_logging(rt.rank)
+    rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
+    setup_logging(rt.rank, rt.is_main)
+    if rt.simulated:
+        from llama_train.simulation import simulation_config, start_warning
+
+        log.warning("%s", start_warning(rt.world_size, rt.rank))
+        cfg = simulation_config(cfg)
     cfg, experiment = plan_experiment(cfg, rt.world_size)
     plan = validate(cfg, rt.world_size, rt.device_type)
-    if rt.rank == 0:
+    if rt.is_main:
         for warning in config_warnings(cfg):
             log.warning("%s", warning)
     if cfg.trainer.init_from:
@@ -116,13 +122,13 @@ def preflight(cfg: Config) -> Preflight:
             e.filename = str(cfg.data.prepared_dir or cache_dir())
         raise
     check_compatible(prepared.meta, cfg.model.vocab_size, cfg.trainer.seq_len)
-    _check_epochs(cfg, plan, prepared.meta, rt.rank)
+    _check_epochs(cfg, plan, prepared.meta, rt.is_main)
     _check_prepared_tokenizer(prepared)
     _check_sample_prompt(cfg, prepared)
     if resume is not None:  # the checkpoint's tokenizer against the data's, now known
         check_tokenizer(resume.checkpoint, prepared.meta["tokenizer"].get("sha256"))
     # last: a refused config or data leaves no lock file behind (prepared data is found quickly)
-    lock = RunLock(cfg.trainer.output_dir).acquire() if rt.rank == 0 else None
+    lock = RunLock(cfg.trainer.output_dir).acquire() if rt.is_main else None
     return Preflight(cfg, rt, cfg.model, plan, prepared, experiment, lock, faults=faults,
                      resume=resume)
 
@@ -139,10 +145,11 @@ def _check_resume(cfg: Config, plan: BatchPlan, world_size: int):
     if ckpt is None:
         return None
     return check_resume(ckpt, read_state(ckpt), to_container(cfg), world_size,
-                        plan.global_batch, cfg.trainer.allow_config_change)
+                        plan.global_batch, cfg.trainer.allow_config_change,
+                        simulate=cfg.comm.simulate)
 
 
-def _check_epochs(cfg: Config, plan: BatchPlan, meta: dict, rank: int) -> float:
+def _check_epochs(cfg: Config, plan: BatchPlan, meta: dict, main: bool) -> float:
     """How many times the run reads the train split (data.mixture: the source read most often,
     by its weight): said at start; for a scaling experiment (whose law assumes fresh tokens) a
     warning above 1 and a refusal above scaling.max_epochs."""
@@ -156,13 +163,13 @@ def _check_epochs(cfg: Config, plan: BatchPlan, meta: dict, rank: int) -> float:
         name = max(each, key=lambda n: each[n][0])
         epochs, train_tokens = each[name]
         split = f"source {name} (by its weight)"
-        if rank == 0:
+        if main:
             log.info("data.mixture epochs: %s", ", ".join(f"{n} {e:.3g}"
                                                          for n, (e, _) in each.items()))
     what = (f"{cfg.trainer.max_steps} steps x {plan.tokens_per_step:,} tokens read {split} "
             f"({train_tokens:,} tokens) {epochs:.3g} times")
     if cfg.scaling.mode == "none" or epochs <= 1:
-        if rank == 0:
+        if main:
             log.info("data: %s", what)
         return epochs
     s = cfg.scaling
@@ -171,7 +178,7 @@ def _check_epochs(cfg: Config, plan: BatchPlan, meta: dict, rank: int) -> float:
             f"scaling.mode={s.mode}: {what}, more than scaling.max_epochs={s.max_epochs:g}. A "
             f"scaling law's tokens are fresh tokens: lower scaling.flops, use a larger "
             f"data.source, or raise scaling.max_epochs to accept the repetition.")
-    if rank == 0:
+    if main:
         log.warning("scaling.mode=%s: %s: repeated tokens are worth less than fresh ones, so "
                     "the loss will sit above the law's prediction (limit: scaling.max_epochs=%g)",
                     s.mode, what, s.max_epochs)

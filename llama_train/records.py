@@ -72,6 +72,10 @@ class RunInfo:
     """The last evaluation's val_loss (None: the data has no validation split)."""
     final_step: Optional[int] = None
     """The step the run ended at; None while it runs (and then neither final_* is written)."""
+    simulation: Optional[Dict[str, Any]] = None
+    """A simulated rank's report (``comm.simulate_ranks``, llama_train.simulation): per phase
+    the peak memory, seconds and the planner's figure; the checkpoint's bytes. Written only by
+    a simulated run."""
 
     _FINAL = ("final_val_loss", "final_step")
 
@@ -80,6 +84,8 @@ class RunInfo:
         if self.final_step is None:
             for k in self._FINAL:
                 del out[k]
+        if self.simulation is None:
+            del out["simulation"]
         return out
 
     def write(self, path: PathLike) -> None:

@@ -22,8 +22,11 @@ class TrainingAborted(RuntimeError):
 
 
 class Recovery:
-    def __init__(self, cfg: RecoveryConfig, state, tracker):
+    def __init__(self, cfg: RecoveryConfig, state, tracker, enabled: bool = True):
+        """``enabled=False`` (a simulated rank, whose losses are not the job's): no step is
+        judged bad, so nothing rolls back."""
         self.cfg, self.state, self.tracker = cfg, state, tracker
+        self.enabled = enabled
 
     # -- before a step ---------------------------------------------------------------------
     def skip_bad_windows(self, position: int, step: int) -> Optional[int]:
@@ -45,6 +48,8 @@ class Recovery:
               window_start: int, batch: int) -> Optional[str]:
         """None for a good step (it updates the running mean), else the verdict, recorded."""
         s, c = self.state, self.cfg
+        if not self.enabled:
+            return None
         if not applied:
             verdict = "skipped_step"
         elif nonfinite:

@@ -128,11 +128,14 @@ def _sets_shape(change: Change, saved_model: dict) -> bool:
 
 def check_resume(ckpt: Path, saved_state: Dict[str, Any], run_config: Dict[str, Any],
                  world_size: int, global_batch: int, allowed: Sequence[str],
-                 tokenizer_sha: Optional[str] = None) -> ResumeCheck:
+                 tokenizer_sha: Optional[str] = None,
+                 simulate: Optional[Tuple[int, int]] = None) -> ResumeCheck:
     """Whether ``ckpt`` (its ``trainer_state.json`` already read: ``saved_state``) continues this
     run. Run-defining changes not in ``allowed`` refuse it with all of them listed; a changed
     global batch, model shape or tokenizer (``tokenizer_sha``: of this run's data; None where
-    not known yet) always does. Raises :class:`ResumeRefused`; returns what goes ahead."""
+    not known yet) always does, and so does a checkpoint of a simulated rank for anything but
+    the same simulation (``simulate``: this launch's (N, rank), or None for a real job).
+    Raises :class:`ResumeRefused`; returns what goes ahead."""
     saved_cfg = _saved_config(ckpt)
     defining, safe = config_changes(saved_cfg, run_config)
     hard: List[Change] = []
@@ -140,6 +143,7 @@ def check_resume(ckpt: Path, saved_state: Dict[str, Any], run_config: Dict[str, 
         hard.append(("global batch (sequences per step, as resolved)",
                      saved_state["global_batch"], global_batch))
     hard += _tokenizer_change(ckpt, tokenizer_sha)
+    hard += _simulation_change(saved_state, simulate, world_size)
     shape = _shape_change(saved_cfg.get("model"), run_config["model"])
     if shape:  # no allow_config_change can load these weights
         hard.append(("model shape (the checkpoint's weights would not load)",
@@ -153,6 +157,26 @@ def check_resume(ckpt: Path, saved_state: Dict[str, Any], run_config: Dict[str, 
         raise ResumeRefused(_refusal(ckpt, refused, hard))
     return ResumeCheck(Path(ckpt), {k: [old, new] for k, old, new in [*safe, *defining]},
                        saved_state["world_size"] != world_size and saved_state["zero_stage"] > 0)
+
+
+def _simulation_change(saved: Dict[str, Any], simulate: Optional[Tuple[int, int]],
+                       world_size: int) -> List[Change]:
+    """A simulated rank's checkpoint holds that rank's shard only: only the same simulation
+    continues it. A simulation may continue a real checkpoint of its world size (its rank's
+    shard is there); another world size would need every rank's shards converted."""
+    theirs = saved.get("simulated")
+    ours = {"ranks": simulate[0], "rank": simulate[1]} if simulate else None
+    if theirs == ours:
+        return []
+    if theirs is None:
+        if saved["world_size"] == world_size:
+            return []
+        return [("world size (a simulated rank continues a real checkpoint of its own world "
+                 "size only)", saved["world_size"], world_size)]
+    what = "a real job" if ours is None else f"simulated rank {ours['rank']} of {ours['ranks']}"
+    return [("simulation (a simulated rank's checkpoint holds that rank's shard only; only "
+             "the same comm.simulate_ranks and comm.simulate_rank continue it)",
+             f"simulated rank {theirs['rank']} of {theirs['ranks']}", what)]
 
 
 def check_tokenizer(ckpt: Path, tokenizer_sha: Optional[str]) -> None:
@@ -178,7 +202,9 @@ def _refusal(ckpt: Path, refused: List[Change], hard: List[Change]) -> str:
     if refused:
         keys = ",".join(k for k, _, _ in refused)
         fix.append(f"to change them on purpose add trainer.allow_config_change=[{keys}]")
-    if hard:
+    if any(k.startswith("simulation") for k, _, _ in hard):
+        fix.append("give each simulation (comm.simulate_ranks) its own trainer.output_dir")
+    if any(not k.startswith("simulation") for k, _, _ in hard):
         fix.append(f"a changed model shape, global batch or tokenizer cannot continue this "
                    f"run: keep them (for the tokenizer, prepare the data with "
                    f"data.tokenizer={Path(ckpt) / 'tokenizer.model'}); a new shape is a new run")

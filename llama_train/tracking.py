@@ -110,9 +110,10 @@ class Tracker:
     travels in checkpoints."""
 
     def __init__(self, cfg: TrackingConfig, output_dir: str, rank: int,
-                 run_config: Optional[Dict[str, Any]] = None):
+                 run_config: Optional[Dict[str, Any]] = None, lead: Optional[bool] = None):
+        """``lead``: whether this process writes (default: rank 0; a simulated rank does)."""
         self.cfg = cfg
-        self.enabled = rank == 0
+        self.enabled = rank == 0 if lead is None else lead
         self.output_dir = Path(output_dir)
         self.metrics_path = self.output_dir / cfg.metrics_file
         self.run_config = run_config or {}

@@ -29,7 +29,7 @@ from llama_train.config import Config, ConfigError, load_config
 from llama_train.hooks import Hook
 from llama_train.paths import CONFIG_DIR
 from llama_train.preflight import preflight, setup_logging
-from llama_train.proc import exit_skipping_teardown
+from llama_train.proc import exit_skipping_teardown, limit_retained_heap
 from llama_train.util import free_bytes, within
 
 log = logging.getLogger("llama_train")
@@ -388,6 +388,7 @@ def cli() -> None:
     interpreter; an unexpected exception keeps its traceback and the normal exit."""
     import atexit
 
+    limit_retained_heap()  # before the model's first allocation (llama_train.proc)
     code = 0
     try:
         main()

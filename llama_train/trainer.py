@@ -12,6 +12,7 @@ and builds the Trainer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import signal
@@ -40,6 +41,7 @@ from llama_train.records import RUN_INFO_FILE, RunInfo
 from llama_train.recovery import Recovery
 from llama_train.resume import ResumeCheck, log_changes
 from llama_train.sample import generate_sample
+from llama_train.simulation import MeteredEngine, Simulation, format_table, rename_losses
 from llama_train.tracking import Tracker
 from llama_train.train_module import BatchResult, TrainModule
 
@@ -141,7 +143,7 @@ def start(pre, hooks: Sequence[Hook] = ()) -> "Trainer":
     eng.init_distributed(cfg.comm, rt.device_type)
     log.info("process group up: %d ranks over %s", rt.world_size, dist.get_backend())
     ckpts = CheckpointManager(t.output_dir, t.keep_last, t.verify_checksums, rt.rank,
-                              rt.world_size, hooks)
+                              rt.world_size, hooks, lead=rt.is_main)
     run_files = (*(() if cfg.tracking.wandb.dir else ("wandb",)),  # default <output_dir>/wandb
                  *(() if cfg.tracking.tensorboard.dir else ("tensorboard",)))
     resume_from = ckpts.resolve_resume(  # verified before unpickling
@@ -172,6 +174,10 @@ class Trainer:
         self.universal = resume is not None and resume.universal
         self.run_config = pre.run_config()
         torch.manual_seed(t.seed)
+        precision = eng.resolve_precision(cfg.deepspeed, rt.device_type)
+        # comm.simulate_ranks: this rank's phases measured (the idle baseline is read here)
+        self.sim = (Simulation(rt, cfg, self.model_args, self.plan, precision)
+                    if rt.simulated else None)
         self.engine = self._build_engine()
         self.eos_id = int(self.prepared.meta["tokenizer"]["eos_id"])  # documents end with it
         self.module = TrainModule(self.engine, self.plan, rt.device, cfg.optim, t.max_steps,
@@ -185,11 +191,12 @@ class Trainer:
                                   num_workers=cfg.data.num_workers,
                                   pin_memory=rt.device_type == "cuda",
                                   data_timeout_s=cfg.comm.timeout_s)
-        self.tracker = Tracker(cfg.tracking, t.output_dir, rt.rank, self.run_config)
+        self.tracker = Tracker(cfg.tracking, t.output_dir, rt.rank, self.run_config,
+                               lead=rt.is_main)
         self.state = TrainState()
-        self.recovery = Recovery(cfg.recovery, self.state, self.tracker)
+        self.recovery = Recovery(cfg.recovery, self.state, self.tracker,
+                                 enabled=not rt.simulated)
         self.fpt = flops_per_token(self.model_args, t.seq_len)
-        precision = eng.resolve_precision(cfg.deepspeed, rt.device_type)
         self.peak = PeakFlops(rt.device, precision, rt.world_size, t.peak_flops)
         self._said_mfu = False
         self.losses: Dict[int, float] = {}
@@ -207,15 +214,23 @@ class Trainer:
         ds_config = eng.build_ds_config(self.cfg.deepspeed, self.cfg.optim, self.plan,
                                         self.rt.device_type, universal=self.universal,
                                         model_dim=self.model_args.dim)
-        model = eng.build_model(self.model_args, ds_config, self.rt.device, t.seed)
-        if t.init_from and self.resume_from is None:
-            check_init_from(t.init_from, self.model_args)
-            eng.load_full_state(model, read_init_from(t.init_from, with_weights=True)[1], zero)
-            log.info("initialised weights from %s", t.init_from)
+        with self._phase("build"):
+            model = eng.build_model(self.model_args, ds_config, self.rt.device, t.seed)
+            if t.init_from and self.resume_from is None:
+                check_init_from(t.init_from, self.model_args)
+                eng.load_full_state(model, read_init_from(t.init_from, with_weights=True)[1],
+                                    zero)
+                log.info("initialised weights from %s", t.init_from)
         if t.compile:
             for block in model.layers:
                 block.compile()  # in place: parameter names stay those of the plain model
-        return eng.initialize(model, param_groups(model, self.cfg.optim), ds_config)
+        with self._phase("initialize"):
+            engine = eng.initialize(model, param_groups(model, self.cfg.optim), ds_config)
+        return engine if self.sim is None else MeteredEngine(engine, self.sim)
+
+    def _phase(self, name: str):
+        """A phase a simulated rank measures (comm.simulate_ranks); nothing otherwise."""
+        return self.sim.phase(name) if self.sim is not None else contextlib.nullcontext()
 
     def _log_start(self, precision: str) -> None:
         if not self.rt.is_main:
@@ -345,6 +360,8 @@ class Trainer:
         mixture = self.loader.mixture_tokens()
         if mixture is not None:  # data.mixture: cumulative tokens per source
             metrics["mixture_tokens"] = mixture
+        if self.sim is not None:  # one rank's loss, not the job's
+            metrics = rename_losses(metrics)
         self.tracker.log(s.step, metrics)
         if mfu > 1.0 and not self._said_mfu and self.rt.is_main:
             self._said_mfu = True
@@ -352,8 +369,9 @@ class Trainer:
                         "machine; set trainer.peak_flops to its per-device peak", 100 * mfu,
                         self.peak.value, self.peak.source)
         if self.rt.is_main and self.cfg.tracking.console:
-            log.info("step %5d/%d | loss %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | mfu %.1f%% | "
-                     "%d steps in %.1fs (median %.2fs)", s.step, t.max_steps, b.loss, b.lr,
+            log.info("step %5d/%d | %s %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | mfu %.1f%% | "
+                     "%d steps in %.1fs (median %.2fs)", s.step, t.max_steps,
+                     "loss" if self.sim is None else "rank_loss (simulated)", b.loss, b.lr,
                      grad_norm if grad_norm is not None else float("nan"),
                      speed["tokens_per_s"], 100 * mfu, speed["interval_steps"],
                      speed["interval_s"], speed["step_time_s"])
@@ -394,32 +412,43 @@ class Trainer:
             metrics["mixture_tokens"] = self.loader.mixture_tokens()
         ppl = math.exp(min(self.val_loss, 50.0))
         seconds = time.perf_counter() - t0
-        self.tracker.log(self.state.step, {"val_loss": self.val_loss, "val_ppl": ppl, **metrics,
-                                           "val_tokens": tokens, "val_time_s": seconds})
-        log.info("step %5d | val_loss %.4f | val_ppl %.2f | %d tokens in %.1fs%s",
-                 self.state.step, self.val_loss, ppl, tokens, seconds,
+        record = {"val_loss": self.val_loss, "val_ppl": ppl, **metrics, "val_tokens": tokens,
+                  "val_time_s": seconds}
+        self.tracker.log(self.state.step,
+                         record if self.sim is None else rename_losses(record))
+        log.info("step %5d | %sval_loss %.4f | val_ppl %.2f | %d tokens in %.1fs%s",
+                 self.state.step, "" if self.sim is None else "(simulated) rank_", self.val_loss,
+                 ppl, tokens, seconds,
                  "".join(f" | {k} {v:.4f}" for k, v in metrics.items() if k.startswith("val_")))
         return self.val_loss
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save(self) -> Path:
         t0, step = time.perf_counter(), self.state.step
-        path = self.ckpts.save(
+        simulated = ({"simulated": {"ranks": self.rt.world_size, "rank": self.rt.rank}}
+                     if self.sim is not None else {})
+        with self._phase("save"):
+            path = self._save(step, simulated)
+        if self.sim is not None:
+            self.sim.saved(path)
+        self.tracker.event(step, "checkpoint", path=str(path),
+                           seconds=round(time.perf_counter() - t0, 3))
+        return path
+
+    def _save(self, step: int, extra: Dict[str, Any]) -> Path:
+        return self.ckpts.save(
             self.engine, step,
             trainer_state={**self.state.state_dict(), "data": self.loader.state_dict(),
                            "tracker": self.tracker.state_dict(),
                            "world_size": self.rt.world_size,
                            "zero_stage": self.cfg.deepspeed.zero_stage,
                            "global_batch": self.plan.global_batch,
-                           "seq_len": self.cfg.trainer.seq_len},
+                           "seq_len": self.cfg.trainer.seq_len, **extra},
             rank_state={"rng": rng_state()},
             describe={"config": self.run_config, "model_args": asdict(self.model_args),
                       "tokenizer": self.prepared.tokenizer_path,
                       "tokenizer_sha256": self.prepared.meta["tokenizer"].get("sha256")},
         )
-        self.tracker.event(step, "checkpoint", path=str(path),
-                           seconds=round(time.perf_counter() - t0, 3))
-        return path
 
     def resume(self) -> None:
         """Continue from ``resume_from`` (if any) and open the tracker's sinks."""
@@ -429,6 +458,8 @@ class Trainer:
             own = Path(self.cfg.trainer.output_dir, "checkpoints").resolve()
             forked = Path(ckpt).resolve().parent != own  # another run's checkpoint: a new run
             self.tracker.load_state_dict(saved["tracker"], str(ckpt) if forked else None)
+            if self.sim is not None:
+                self.sim.first_step = self.state.step
             log.info("resumed from %s at step %d (%d tokens)", ckpt, self.state.step,
                      self.state.tokens)
         if self.rt.is_main:  # only now: a resume that fails to load leaves the run's files as
@@ -447,7 +478,8 @@ class Trainer:
         size) the RNGs. Returns its saved state."""
         universal = self.universal and ckpt == self.resume_from
         watchdog.note(step=read_state(ckpt)["step"])  # a rank lost while loading is named at it
-        saved, rank_state = self.ckpts.load(self.engine, ckpt, universal)
+        with self._phase("load"):
+            saved, rank_state = self.ckpts.load(self.engine, ckpt, universal)
         self.state.load_state_dict(saved)
         self.loader.load_state_dict(saved["data"])  # the caller starts the next iterator
         self.source_epochs = self.loader.mixture_epochs()
@@ -467,12 +499,25 @@ class Trainer:
         """A text sample, the final run_info.json, then close."""
         sample = generate_sample(self.engine, self.cfg.sample, self.cfg.trainer.seed,
                                  self.prepared.tokenizer_path, self.rt.device, self.rt.is_main)
+        simulation = self._simulation_report()
         if self.rt.is_main:
             log.info("sample: %r", sample)
             (Path(self.cfg.trainer.output_dir) / "sample.txt").write_text(sample + "\n")
-            self.write_run_info(final_val_loss=self.val_loss, final_step=self.state.step)
+            self.write_run_info(final_val_loss=self.val_loss if self.sim is None else None,
+                                final_step=self.state.step, simulation=simulation)
         self.close()
         return sample
+
+    def _simulation_report(self) -> Optional[Dict[str, Any]]:
+        """A simulated rank's report (None otherwise): the saved checkpoint is loaded back first
+        if no resume loaded one, so the load is measured too and proven to work."""
+        if self.sim is None:
+            return None
+        if "load" not in self.sim.meter.phases and self.last_good is not None:
+            self._restore(self.last_good)
+        report = self.sim.report()
+        log.info("%s", format_table(report))
+        return report
 
     def close(self) -> None:
         self.tracker.finish()
@@ -481,7 +526,8 @@ class Trainer:
             dist.barrier()  # the group itself is destroyed in main(), after every multirun job
 
     def write_run_info(self, final_val_loss: Optional[float] = None,
-                       final_step: Optional[int] = None) -> None:
+                       final_step: Optional[int] = None,
+                       simulation: Optional[Dict[str, Any]] = None) -> None:
         """run_info.json (:class:`llama_train.records.RunInfo`): at start, and at the end with
         the final step and val_loss."""
         cfg, p = self.cfg, self.plan
@@ -493,4 +539,4 @@ class Trainer:
                 flops=self.fpt * steps * p.tokens_per_step,
                 peak_flops={"value": self.peak.value, "source": self.peak.source},
                 command=self.command, final_val_loss=final_val_loss,
-                final_step=final_step).write(Path(cfg.trainer.output_dir) / RUN_INFO_FILE)
+                final_step=final_step, simulation=simulation).write(Path(cfg.trainer.output_dir) / RUN_INFO_FILE)

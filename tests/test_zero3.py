@@ -122,3 +122,24 @@ def test_offload_trains_resumes_exactly_and_exports(reference, runs, tmp_path):
     hf_dir = tmp_path / "hf"
     export_hf(part / "checkpoints", hf_dir)
     assert (hf_dir / "config.json").is_file() and list(hf_dir.glob("*.safetensors"))
+
+
+def test_a_simulated_rank_holds_what_the_real_rank_holds(reference, runs):
+    """comm.simulate_ranks=2, rank 1, in one process: its fp32 partitions and its files are
+    those of rank 1 of the real 2-rank launch (test_simulate.py checks 64 and 512 ranks against
+    DeepSpeed's arithmetic, which this confirms at 2)."""
+    from test_simulate import fp32_partitions, zero3_partitions
+
+    from helpers import compose_cfg
+
+    out = runs / "simulated"
+    one_process(out, [*Z3, "trainer.micro_batch=2", "trainer.max_steps=2",
+                      "comm.simulate_ranks=2", "comm.simulate_rank=1"], runs / "simulated.log")
+    sim, real = out / "checkpoints" / "step_00000002", reference / "checkpoints" / "step_00000002"
+    assert fp32_partitions(sim, 1) == fp32_partitions(real, 1) == zero3_partitions(
+        compose_cfg(["model=tiny"]), 2)
+    real_files = {p.name: p.stat().st_size for p in (real / "ds").glob("zero_pp_rank_1_*")}
+    sim_files = {p.name: p.stat().st_size for p in (sim / "ds").iterdir()}
+    assert sim_files.keys() == real_files.keys()
+    assert sim_files["zero_pp_rank_1_mp_rank_00_optim_states.pt"] == pytest.approx(
+        real_files["zero_pp_rank_1_mp_rank_00_optim_states.pt"], rel=0.02)

@@ -27,40 +27,14 @@ moments / buckets / other, by where the storage was found.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
+from llama_train.meter import PeakMeter, rss
+
 CATEGORIES = ("params", "grads", "fp32_master", "adam_moments", "buckets", "other")
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        m = re.search(rf"^{field}:\s+(\d+) kB", fh.read(), re.M)
-    return int(m.group(1)) if m else 0
-
-
-def rss() -> int:
-    """Resident set now, bytes."""
-    return _status_kib("VmRSS") * 1024
-
-
-def hwm() -> int:
-    """Resident-set high-water mark since the last :func:`reset_hwm`, bytes."""
-    return _status_kib("VmHWM") * 1024
-
-
-def reset_hwm() -> bool:
-    """Reset VmHWM to the current VmRSS (Linux >= 4.0). False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def classify(path: str) -> str:
@@ -185,75 +159,6 @@ def _parse(argv) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-class PeakMeter:
-    """Per-phase peaks above the idle baseline (see the module docstring)."""
-
-    def __init__(self, device) -> None:
-        import torch
-
-        self.cuda = device.type == "cuda"
-        self.torch = torch
-        gc.collect()
-        self.idle = {"rss": rss(), "hwm_since_start": hwm()}
-        if self.cuda:
-            self.idle.update(allocated=torch.cuda.memory_allocated(),
-                             reserved=torch.cuda.memory_reserved())
-        self.phases: Dict[str, Dict[str, int]] = {}
-        self.hwm_reset = True
-
-    def start(self) -> None:
-        self.hwm_reset = reset_hwm() and self.hwm_reset
-        if self.cuda:
-            self.torch.cuda.reset_peak_memory_stats()
-
-    def stop(self, phase: str) -> None:
-        row = {"hwm": hwm(), "rss_after": rss()}
-        row["peak_above_idle"] = row["hwm"] - self.idle["rss"]
-        if self.cuda:
-            c = self.torch.cuda
-            row.update(max_allocated=c.max_memory_allocated(), max_reserved=c.max_memory_reserved(),
-                       max_allocated_above_idle=c.max_memory_allocated() - self.idle["allocated"],
-                       max_reserved_above_idle=c.max_memory_reserved() - self.idle["reserved"])
-        self.phases[phase] = row
-
-    def report(self) -> Dict[str, Any]:
-        key = "max_allocated_above_idle" if self.cuda else "peak_above_idle"
-        worst = max(self.phases, key=lambda k: self.phases[k][key])
-        return {"idle": self.idle, "phases": self.phases, "peak_above_idle":
-                self.phases[worst][key], "peak_phase": worst, "hwm_reset": self.hwm_reset,
-                "measure": ("torch.cuda.max_memory_allocated" if self.cuda else
-                            "VmHWM - idle VmRSS")}
-
-
-def _warm_up(offload: bool) -> None:
-    """Load the code every rank runs, before the idle baseline is read: torch._dynamo (torch
-    loads it lazily on the first nn.init or fused-AdamW call; inside ``deepspeed.zero.Init``,
-    which patches tensor constructors, that import fails with "Signature mismatch ...
-    new_tensor", which bites with offload where nothing imported it before), DeepSpeed's ZeRO and
-    mixed-precision optimizer modules and with offload its CPU Adam extension
-    (:func:`llama_train.engine.build.preload_deepspeed`), and one AdamW step of a throwaway
-    2-layer model in plain torch (torch's CPU kernels and thread pools). None of it depends on
-    the model under test."""
-    import torch
-    import torch._dynamo  # noqa: F401
-
-    from llama_train import engine
-    from llama_train.model import ModelArgs, Transformer
-
-    engine.preload_deepspeed(offload)
-
-    net = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=16))
-    opt = torch.optim.AdamW(net.parameters())
-    for dtype in (torch.float32, torch.bfloat16):
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            x = torch.randint(0, 256, (1, 16))
-            _, loss = net(x, x)
-        loss.backward()
-        opt.step()
-    del net, opt
-    gc.collect()
-
-
 def _count_backward(engine, x, y) -> Dict[str, Any]:
     """One forward/backward counted twice: when autograd has finished but DeepSpeed has not yet
     reduced (ZeRO 0/1 hold every full gradient here), and after backward (ZeRO 2/3 hold their
@@ -293,7 +198,7 @@ def main(argv=None) -> None:
                              offload_params=args.offload, offload_optimizer=args.offload)
     ds_config = eng.build_ds_config(ds_cfg, optim, plan, rt.device_type, model_dim=margs.dim)
     ds_config["zero_optimization"].update(json.loads(args.ds_zero))
-    _warm_up(args.offload)
+    eng.warm_up(args.offload)
     dist.barrier()
     meter = PeakMeter(rt.device)  # idle baseline: imports, process group, warm-up; no model yet
 

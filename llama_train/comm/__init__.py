@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from llama_train.comm.ring import ring_all_reduce
+from llama_train.policy import per_launch
 
 __all__ = [
     "CommConfig",
@@ -44,6 +45,13 @@ class CommConfig:
     of hanging the job forever."""
     backend: str = "auto"
     """auto (nccl on CUDA, gloo on CPU) | nccl | gloo."""
+    simulate_ranks: int = per_launch(0)
+    """N > 1: run rank ``simulate_rank`` of an N-rank data-parallel job in this one process
+    (plain ``llama-train``, never under a launcher): the real build, ZeRO partitioning, steps
+    and checkpoints of that rank, with collectives answered locally
+    (:mod:`llama_train.comm.simulate`). 0: off."""
+    simulate_rank: int = per_launch(0)
+    """Which rank ``simulate_ranks`` runs (0 .. N-1)."""
 
     def __post_init__(self) -> None:
         if self.backend not in _BACKENDS:
@@ -54,6 +62,21 @@ class CommConfig:
             raise ValueError(f"comm.timeout_s={self.timeout_s} must be a positive number of seconds")
         if self.nccl_algo is not None:
             normalize_nccl_algo(self.nccl_algo)
+        n, r = int(self.simulate_ranks), int(self.simulate_rank)
+        if n == 1 or n < 0:
+            raise ValueError(f"comm.simulate_ranks={n}: give the number of ranks of the job to "
+                             f"simulate (2 or more), or 0 to run for real")
+        if r and not n:
+            raise ValueError(f"comm.simulate_rank={r} needs comm.simulate_ranks=N (the job's "
+                             f"size); comm.simulate_rank alone simulates nothing")
+        if n and not 0 <= r < n:
+            raise ValueError(f"comm.simulate_rank={r} is not a rank of comm.simulate_ranks={n}: "
+                             f"use 0 .. {n - 1}")
+
+    @property
+    def simulate(self) -> Optional[Tuple[int, int]]:
+        """(N, rank) when this launch simulates one rank of an N-rank job, else None."""
+        return (int(self.simulate_ranks), int(self.simulate_rank)) if self.simulate_ranks else None
 
 
 def normalize_nccl_algo(algo: str) -> str:

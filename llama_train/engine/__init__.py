@@ -19,9 +19,11 @@ The peak-FLOPs figures (MFU) are not DeepSpeed's: :mod:`llama_train.flops`, re-e
 for the modules that still import them from the engine.
 """
 
-from llama_train.engine.build import build_model, initialize, load_full_state, preload_deepspeed
-from llama_train.engine.distributed import (STARTUP_TIMEOUT, init_distributed, load_deepspeed,
-                                            shm_comm_op_loaded, shutdown_distributed)
+from llama_train.engine.build import (build_model, initialize, load_full_state, preload_deepspeed,
+                                      warm_up)
+from llama_train.engine.distributed import (STARTUP_TIMEOUT, init_distributed, leads,
+                                            load_deepspeed, shm_comm_op_loaded,
+                                            shutdown_distributed, simulated)
 from llama_train.engine.ds_checkpoint import (RESTRICTED_LOAD_ENV, consolidate_fp32,
                                               convert_to_universal, restricted_loads)
 from llama_train.engine.ds_config import build_ds_config, resolve_precision
@@ -32,9 +34,10 @@ from llama_train.flops import PeakFlops, measure_matmul_flops, memory_stats, pea
 __all__ = [
     "Runtime", "detect_runtime", "deepspeed_version",
     "init_distributed", "shutdown_distributed", "load_deepspeed", "shm_comm_op_loaded",
+    "simulated", "leads",
     "STARTUP_TIMEOUT",
     "resolve_precision", "build_ds_config",
-    "build_model", "load_full_state", "initialize", "preload_deepspeed",
+    "build_model", "load_full_state", "initialize", "preload_deepspeed", "warm_up",
     "Engine", "StepResult", "unwrap",
     "restricted_loads", "RESTRICTED_LOAD_ENV", "convert_to_universal", "consolidate_fp32",
     "PeakFlops", "peak_flops", "measure_matmul_flops", "memory_stats",

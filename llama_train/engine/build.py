@@ -7,6 +7,7 @@ from typing import Any, Dict
 
 import torch
 
+from llama_train.engine.distributed import leads, simulated
 from llama_train.engine.wrapper import Engine
 
 
@@ -26,7 +27,6 @@ def build_model(model_args, ds_config: Dict[str, Any], device: torch.device,
         return Transformer(model_args, device=device, seed=seed)
     import deepspeed
     import torch._dynamo  # noqa: F401
-    import torch.distributed as dist
 
     # zero.Init replaces torch.Tensor.__new__ while it is open, and torch._dynamo, when first
     # imported (a meta-device op can trigger it), refuses a Tensor.__new__ with another signature
@@ -38,7 +38,7 @@ def build_model(model_args, ds_config: Dict[str, Any], device: torch.device,
         model = Transformer(model_args, device="meta")
         model.to_empty(device=device)  # partitions module by module (DeepSpeed's skip_init path)
     model.tie_weights()
-    first = dist.get_rank() == 0
+    first = leads()  # rank 0 (or a simulated rank) writes, the others get its values
     for name, p in model.named_parameters():
         with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
             if first:
@@ -55,7 +55,6 @@ def load_full_state(model: torch.nn.Module, state: Dict[str, torch.Tensor],
         model.load_state_dict(state, strict=True)
         return
     import deepspeed
-    import torch.distributed as dist
 
     names = dict(model.named_parameters())
     missing = sorted(set(names) - set(state))
@@ -63,7 +62,7 @@ def load_full_state(model: torch.nn.Module, state: Dict[str, torch.Tensor],
     if missing or unexpected:
         raise RuntimeError(f"state dict does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
-    first = dist.get_rank() == 0
+    first = leads()  # rank 0 (or a simulated rank) writes, the others get its values
     with torch.no_grad():
         for name, p in names.items():
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
@@ -85,6 +84,8 @@ def initialize(model: torch.nn.Module, param_groups, ds_config: Dict[str, Any]) 
 
     ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
                                        config=ds_config)
+    if simulated():  # the only process of its job also writes what DeepSpeed's rank 0 writes
+        ds.save_non_zero_checkpoint = True
     if ds.dp_world_size == 1 and ds_config["zero_optimization"]["stage"] == 0:
         # Nothing to reduce: skip DeepSpeed's flatten/all-reduce/copy-back of every gradient
         # (3.5% of a `small` step on one rank, docs/performance.md).
@@ -112,3 +113,30 @@ def preload_deepspeed(offload: bool) -> None:
         p = torch.nn.Parameter(torch.zeros(8))
         p.grad = torch.zeros(8)
         DeepSpeedCPUAdam([p]).step()
+
+
+def warm_up(offload: bool) -> None:
+    """Load the code every rank runs, for measurement tools that read an idle baseline before
+    building (``llama-bench memory``, a simulated rank): torch._dynamo (torch loads it lazily on
+    the first nn.init or fused-AdamW call; inside ``deepspeed.zero.Init``, which patches tensor
+    constructors, that import fails with "Signature mismatch ... new_tensor", which bites with
+    offload where nothing imported it before), :func:`preload_deepspeed`, and one AdamW step of
+    a throwaway 2-layer model in plain torch (torch's CPU kernels and thread pools). None of it
+    depends on the model under test."""
+    import gc
+
+    import torch._dynamo  # noqa: F401
+
+    from llama_train.model import ModelArgs, Transformer
+
+    preload_deepspeed(offload)
+    net = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=16))
+    opt = torch.optim.AdamW(net.parameters())
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            x = torch.randint(0, 256, (1, 16))
+            _, loss = net(x, x)
+        loss.backward()
+        opt.step()
+    del net, opt
+    gc.collect()

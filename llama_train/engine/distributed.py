@@ -47,6 +47,8 @@ def init_distributed(comm: Optional[CommConfig] = None, device_type: str = "cpu"
         raise RuntimeError(
             f"init_distributed: environment variables {missing} are not set; start the program "
             "through a launcher, e.g. `deepspeed --num_gpus 2 --module <module> ...`")
+    if comm.simulate is not None:
+        return _start_simulated(comm, device_type)
     backend = apply_env(comm, device_type)
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -63,6 +65,71 @@ def init_distributed(comm: Optional[CommConfig] = None, device_type: str = "cpu"
         _unlink_shm_buffer(dist.get_rank())
     watchdog.start(comm.timeout_s, dist.get_rank(), dist.get_world_size())
     return backend
+
+
+def _start_simulated(comm: CommConfig, device_type: str) -> str:
+    """``comm.simulate_ranks``: the default group is :class:`~llama_train.comm.simulate.MirrorGroup`
+    (this process as rank R of N, every peer its mirror), DeepSpeed's comm backend on top of it.
+    No hang watchdog: there are no peers to wait for, and no NCCL or gloo to configure."""
+    import torch.distributed as dist
+
+    from llama_train.comm import simulate
+
+    world, rank = comm.simulate
+    if dist.is_initialized():  # a program (a test) that trains again in this process
+        if not (simulated() and (dist.get_world_size(), dist.get_rank()) == (world, rank)):
+            raise RuntimeError(
+                f"comm.simulate_ranks={world}: this process already has a process group "
+                f"({dist.get_backend()}, rank {dist.get_rank()} of {dist.get_world_size()}); "
+                f"end it first (llama_train.engine.shutdown_distributed)")
+    else:
+        simulate.init(rank, world, datetime.timedelta(seconds=int(comm.timeout_s)))
+    with _without_shm_comm_op(device_type == "cpu"):
+        load_deepspeed().init_distributed(dist_backend=simulate.BACKEND,
+                                          auto_mpi_discovery=False, verbose=False)
+    _mirror_agreement_checks()
+    return dist.get_backend()
+
+
+def simulated() -> bool:
+    """Whether the process group is a simulated rank's (``comm.simulate_ranks``)."""
+    import torch.distributed as dist
+
+    from llama_train.comm import simulate
+
+    return dist.is_initialized() and dist.get_backend() == simulate.BACKEND
+
+
+def leads() -> bool:
+    """Whether this process does rank 0's part of a collective step (initialising a gathered
+    parameter, writing the model-states file): rank 0, or a simulated rank, whose peers are its
+    mirror and which must therefore do it itself."""
+    import torch.distributed as dist
+
+    return dist.get_rank() == 0 or simulated()
+
+
+def _mirror_agreement_checks() -> None:
+    """DeepSpeed's ZeRO-3 checks that every rank traced the same modules and parameters
+    (``assert_ints_same_as_other_ranks``) by broadcasting rank 0's list over a placeholder of
+    -1s on the others; a mirror group cannot know rank 0's list when it is not rank 0, and its
+    peers trace what it traces by construction. The check is replaced by nothing where ZeRO
+    looks it up, for this process (only a simulated rank gets here)."""
+    import importlib
+
+    def same_everywhere(_ints) -> None:
+        return None
+
+    for name in ("deepspeed.runtime.zero.partitioned_param_coordinator",
+                 "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.partition_parameters"):
+        mod = importlib.import_module(name)
+        real = getattr(mod, "assert_ints_same_as_other_ranks", None)
+        if real is not None and real is not same_everywhere:
+            _REPLACED.setdefault(name, real)
+            mod.assert_ints_same_as_other_ranks = same_everywhere
+
+
+_REPLACED: dict = {}  # module -> DeepSpeed's own check, put back by shutdown_distributed
 
 
 def _start_process_group(backend: str, timeout: datetime.timedelta, device_type: str) -> None:
@@ -83,8 +150,13 @@ def shutdown_distributed() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    import importlib
+
     from deepspeed.utils import groups
 
+    for name, real in _REPLACED.items():  # a simulated rank's: the next group may be real
+        importlib.import_module(name).assert_ints_same_as_other_ranks = real
+    _REPLACED.clear()
     for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP",
                  "_TENSOR_MODEL_PARALLEL_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP"):
         if hasattr(groups, name):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 
@@ -24,6 +25,8 @@ class Runtime:
     local_rank: int
     world_size: int
     local_world_size: int
+    simulated: bool = False  # comm.simulate_ranks: rank `rank` of `world_size`, alone here
+
 
     @property
     def device(self) -> torch.device:
@@ -33,11 +36,26 @@ class Runtime:
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """Whether this process does rank 0's duties (logs, run files, checkpoint bookkeeping):
+        rank 0, or a simulated rank, which is the only process of its job."""
+        return self.rank == 0 or self.simulated
 
 
-def detect_runtime(device: str = "auto") -> Runtime:
-    """Reads the launcher's environment; a plain ``llama-train`` becomes a world of one.
+# Variables that only a multi-process launcher sets: deepspeed (launch.py), torchrun, mpirun.
+LAUNCHER_ENV = ("CROSS_RANK", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE")
+
+
+_SIMULATED_ENV = "LLAMA_TRAIN_SIMULATED"
+
+
+def launcher_env() -> Optional[str]:
+    """The variable that shows this process was started by a launcher, or None."""
+    return next((v for v in LAUNCHER_ENV if v in os.environ), None)
+
+
+def detect_runtime(device: str = "auto", simulate: Optional[Tuple[int, int]] = None) -> Runtime:
+    """Reads the launcher's environment; a plain ``llama-train`` becomes a world of one, or with
+    ``simulate=(N, R)`` (``comm.simulate_ranks``) rank R of N, which a launcher may not start.
 
     Sets ``DS_ACCELERATOR`` before DeepSpeed is imported so it never guesses the accelerator.
     """
@@ -49,7 +67,9 @@ def detect_runtime(device: str = "auto") -> Runtime:
         raise ConfigError(f"trainer.device=cuda but {why}: run on a GPU machine, or set "
                           f"trainer.device=auto (picks the GPU when there is one) or cpu.")
     os.environ.setdefault("DS_ACCELERATOR", device)
-    if "RANK" not in os.environ:  # not under a launcher
+    if simulate is not None:
+        return _simulated_runtime(device, *simulate)
+    if "RANK" not in os.environ or os.environ.pop(_SIMULATED_ENV, None):  # not under a launcher
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -63,6 +83,26 @@ def detect_runtime(device: str = "auto") -> Runtime:
     if device == "cuda":
         torch.cuda.set_device(rt.local_rank)
     return rt
+
+
+def _simulated_runtime(device: str, world: int, rank: int) -> Runtime:
+    """Rank ``rank`` of ``world`` in this process. DeepSpeed reads RANK, WORLD_SIZE and
+    LOCAL_RANK from the environment in places (zero.Init's device, its rank checks), so they
+    say the same as the process group will."""
+    found = launcher_env()
+    if found is not None:
+        raise ConfigError(
+            f"comm.simulate_ranks={world} runs one rank of a {world}-rank job in this single "
+            f"process, but this process was started by a launcher ({found} is set): start it "
+            f"as a plain command (`llama-train comm.simulate_ranks={world} ...` or `python -m "
+            f"llama_train.train ...`), or drop comm.simulate_ranks for a real run.")
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_SIZE="1")
+    os.environ[_SIMULATED_ENV] = "1"  # a later plain run in this process is a world of one
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    return Runtime(device, rank, 0, world, 1, simulated=True)
 
 
 def deepspeed_version() -> str:

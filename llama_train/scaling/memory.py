@@ -236,7 +236,9 @@ Per-rank peak = the largest of the phases below; Psi params, N ranks, p bytes/el
 dtype, g of DeepSpeed's gradient buffers (= p), B = reduce_bucket_size elements, A activations
 (activation_memory). On CPU ranks only touched pages count: a bucket holds min(B, Psi) elements.
 build      ZeRO-0/1/2: engine.build_model materialises the whole model in fp32 on every rank (4 Psi).
-           ZeRO-3: the bf16 partition (p Psi/N) + one parameter gathered whole to initialise it.
+           ZeRO-3: the bf16 partition (p Psi/N) + one parameter gathered whole to initialise it,
+           and (bf16/fp16) its values drawn in fp32 before one rounding (Transformer.init_param):
+           (p + 4) x the largest parameter (6.3 GB for llama3_70b's 1.05e9-element embedding).
 ZeRO-0     (bf16: DeepSpeed's FP16_UnfusedOptimizer; fp32: torch AdamW) model p Psi, grads p Psi,
            fp32 master 4 Psi and its fp32 grads 4 Psi (bf16 only), Adam moments 8 Psi, all whole:
            20 Psi (bf16), 16 Psi (fp32); N > 1 adds the flat all-reduce copy of the grads.
@@ -249,7 +251,10 @@ ZeRO-1/2   (stage_1_and_2.py) the bf16 model as one flat buffer (p Psi, whole), 
            into the flat model, which gloo does through a full-size copy (p Psi, CPU ranks only).
 ZeRO-3     (stage3.py) bf16 partition p Psi/N, flat bf16 gradient partitions g Psi/N
            (grad_partitions_flat_buffer), fp32 master 4 Psi/N, moments 8 Psi/N, ipg bucket
-           g min(B, Psi) (_setup_for_real_optimizer). step(): _prepare_fp32_grad_for_sub_group
+           g min(B, Psi) (_setup_for_real_optimizer); initialize also gathers each parameter
+           whole once (create_reduce_and_remove_grad_hooks), beside the partitions: + p x the
+           largest parameter. The Adam moments appear in the first step(), so the first
+           forward and backward hold 8 Psi/N less than later ones. step(): _prepare_fp32_grad_for_sub_group
            flattens the gradient partition (g Psi/N) and converts it to fp32 (4 Psi/N) while the
            moments exist: +(g + 4) min(Psi/N, sub_group_size). From the second step on the
            parameter coordinator has a trace and, with stage3_max_reuse_distance and
@@ -284,6 +289,7 @@ def rank_peak_memory(
     ds: Optional[Any] = None,
     attention: str = "sdpa",
     zero_overrides: Optional[Dict[str, int]] = None,
+    gloo_copies: Optional[bool] = None,
 ) -> Dict[str, Any]:
     """Peak bytes one data-parallel rank holds while it builds the model, initialises DeepSpeed
     and trains (model states + activations + DeepSpeed's own buffers and transients), from the
@@ -296,7 +302,9 @@ def rank_peak_memory(
     stage3_max_reuse_distance) or overrides ours (reduce_bucket_size, stage3_prefetch_bucket_size,
     stage3_param_persistence_threshold). ``device="cpu"`` counts what a CPU rank's resident set
     shows (untouched bucket pages are not resident; gloo's reduce-scatter copies); ``"cuda"``
-    counts allocations (whole buckets). Returns bytes: ``total`` (the peak; on CPU host and device
+    counts allocations (whole buckets). ``gloo_copies`` (default: ``device == "cpu"``): count
+    the copies gloo itself makes in a reduce-scatter or all-gather; a simulated rank
+    (``comm.simulate_ranks``), whose collectives are answered in place, has none. Returns bytes: ``total`` (the peak; on CPU host and device
     together), ``device`` and ``host`` at the peak, ``peak_phase``, ``phases`` {name: bytes},
     ``breakdown`` {term: bytes} of the peak phase, ``unpartitioned`` (the terms of the peak that do
     not shrink with N), plus n_params and the settings."""
@@ -309,7 +317,8 @@ def rank_peak_memory(
         raise ScalingError(f"device={device!r}: 'cpu' or 'cuda'")
     sizes = _zero_sizes(args, ds, zero_overrides)
     acts = activation_memory(args, micro_batch, seq_len, dtype, activation_checkpointing, attention)["total"]
-    t = _rank_terms(args, p, world_size, sizes, acts, device == "cpu", offload_optimizer)
+    t = _rank_terms(args, p, world_size, sizes, acts, device == "cpu", offload_optimizer,
+                    device == "cpu" if gloo_copies is None else gloo_copies)
     if zero_stage == 0:
         phases, unpart = _zero0_phases(t)
     elif zero_stage in (1, 2):
@@ -326,6 +335,7 @@ def rank_peak_memory(
         "offload_optimizer": bool(offload_optimizer), "offload_params": bool(offload_params),
         "device_kind": device,
         "ds_buckets": sizes,
+        "phase_terms": {k: {term: float(b) for term, b in v.items()} for k, v in phases.items()},
     }
 
 
@@ -347,6 +357,7 @@ class _RankTerms:
     persistent: int
     sizes: Dict[str, int]
     offload_optimizer: bool
+    gloo: bool = False  # gloo's own reduce-scatter / all-gather copies are counted
 
 
 def _zero_sizes(args: "ModelArgs", ds: Optional[Any],
@@ -365,7 +376,7 @@ def _zero_sizes(args: "ModelArgs", ds: Optional[Any],
 
 
 def _rank_terms(args: "ModelArgs", p: int, world_size: int, sizes: Dict[str, int], acts: float,
-                cpu: bool, offload_optimizer: bool) -> _RankTerms:
+                cpu: bool, offload_optimizer: bool, gloo: bool) -> _RankTerms:
     import torch
 
     from llama_train.model import Transformer, count_params
@@ -378,7 +389,7 @@ def _rank_terms(args: "ModelArgs", p: int, world_size: int, sizes: Dict[str, int
     # g: DeepSpeed's gradient buffers follow the model dtype (grad_accum_dtype unset)
     return _RankTerms(psi=psi, n=world_size, p=p, g=p, cpu=cpu, acts=acts, bucket=bucket,
                       part=psi / world_size, largest=max(shapes), persistent=persistent,
-                      sizes=sizes, offload_optimizer=offload_optimizer)
+                      sizes=sizes, offload_optimizer=offload_optimizer, gloo=gloo)
 
 
 Phases = Dict[str, Dict[str, float]]
@@ -424,7 +435,7 @@ def _zero12_phases(t: _RankTerms, zero_stage: int) -> Tuple[Phases, Set[str]]:
     else:
         phases["step"] = {**states, "grad partition": g * part,
                           "step: flat + fp32 grads": (g + 4.0) * part}
-    if n > 1 and t.cpu:
+    if n > 1 and t.gloo:
         # after the step each rank's updated bf16 partition is gathered into the flat model
         # (runtime/utils.py all_gather_into_tensor_dp_groups); gloo gathers into a new flat
         # tensor of the output's size and copies it back: a second p Psi for a moment
@@ -445,9 +456,17 @@ def _zero3_phases(t: _RankTerms) -> Tuple[Phases, Set[str]]:
     if t.offload_optimizer:
         states["fp32 grads (offload)"] = 4.0 * part
     ipg = g * bucket
-    phases["build"] = {"param partition": p * part, "gathered param": p * largest}
-    phases["initialize"] = {"param partition": p * part, "fp32 master": 4.0 * part,
-                            "fp32 grad buffer": 4.0 * part, "grad partitions": g * part}
+    phases["build"] = {"param partition": p * part, "gathered param": p * largest,
+                       "fp32 init draw": 4.0 * largest if p < 4 else 0.0}
+    # initialize: the fp32 master and a transient fp32 gradient buffer (initialize_optimizer_
+    # states), then the gradient partitions, and each parameter gathered whole once more while
+    # its gradient hook is registered (create_reduce_and_remove_grad_hooks: all_gather, then
+    # partition): measured at 64 ranks on llama3_8b, 1.93 GiB against 1.40 without that term
+    with_buffer = {"param partition": p * part, "fp32 master": 4.0 * part,
+                   "fp32 grad buffer": 4.0 * part, "grad partitions": g * part}
+    with_hooks = {"param partition": p * part, "fp32 master": 4.0 * part,
+                  "grad partitions": g * part, "gathered param": p * largest}
+    phases["initialize"] = max(with_buffer, with_hooks, key=lambda d: sum(d.values()))
     # a param used at forward position x (elements) is used again in backward after about
     # 2 (Psi - x) elements: the last max_reuse_distance / 2 elements of the forward stay
     # gathered (capped by max_live_parameters), plus the module in use (at least the largest
@@ -456,7 +475,8 @@ def _zero3_phases(t: _RankTerms) -> Tuple[Phases, Set[str]]:
     live = min(psi, max(kept, largest) + sizes["stage3_prefetch_bucket_size"])
     # a parameter larger than the bucket is reduced on its own: the copies hold at least it
     reduced = max(bucket, largest) if bucket < psi else bucket
-    rs = (g * reduced * ((2.0 + 1.0 / n) if t.cpu else 1.0)) if n > 1 else 0.0
+    rs = (g * reduced * ((2.0 + 1.0 / n) if t.gloo else 1.0)) if n > 1 else 0.0
+    phases["forward"] = {**states, "gathered params": p * live, "activations": acts}
     if bucket < psi:  # the first bucket is reduced early in backward, beside it all
         phases["backward"] = {**states, "ipg bucket": ipg, "gathered params": p * live,
                               "activations": acts, "reduce-scatter copies": rs}
@@ -468,6 +488,7 @@ def _zero3_phases(t: _RankTerms) -> Tuple[Phases, Set[str]]:
         step["step: flat + fp32 grads"] = (g + 4.0) * min(part, z["sub_group_size"])
     phases["step"] = step
     return phases, {"persistent params", "ipg bucket", "gathered params", "gathered param",
+                    "fp32 init draw",
                     "reduce-scatter copies", "activations"}
 
 

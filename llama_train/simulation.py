@@ -1,0 +1,220 @@
+"""A simulated rank (``comm.simulate_ranks=N``): what one rank of an N-rank job allocates and
+how long its phases take, measured on the real code path in one process, beside the planner.
+
+The trainer runs as usual on a :class:`~llama_train.comm.simulate.MirrorGroup`; this module
+measures it: each phase's peak memory and wall time (:class:`llama_train.meter.PeakMeter`:
+VmHWM on CPU, the CUDA allocator's peaks on a GPU) for build, initialize, the forward,
+backward and optimizer step of the first ``MEASURED_STEPS`` steps, the checkpoint save and a
+load of it; the checkpoint's bytes of this rank and of rank 0; the time from the command to the
+end of the first step. Beside each phase: the planner's prediction for the same settings
+(:func:`llama_train.scaling.memory.rank_peak_memory`, what ``llama-plan model-info`` prints).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+from llama_train.meter import PeakMeter, process_age_s
+
+log = logging.getLogger("llama_train")
+
+MEASURED_STEPS = 3  # the first steps measured phase by phase (step 1 allocates AdamW's state)
+
+# measured phase -> the planner's phases it is compared with (the largest of them)
+PLANNED = {"build": ("build",), "initialize": ("initialize",), "forward": ("forward",),
+           "backward": ("backward", "backward end"), "step": ("step", "all-gather")}
+
+
+def start_warning(world: int, rank: int) -> str:
+    """What a simulated run says first."""
+    return (f"comm.simulate_ranks={world}: this process runs rank {rank} of a {world}-rank job "
+            f"alone. Collectives are answered as if every other rank held what this one holds: "
+            f"memory, partition sizes, phase times and the checkpoint shard are this rank's, but "
+            f"loss, val_loss and grad_norm are not the job's (recorded as rank_loss and "
+            f"rank_val_loss). Switched off: W&B, rollbacks on bad steps, the hang watchdog, "
+            f"the text sample.")
+
+
+class Simulation:
+    """The measurements of one simulated rank; :meth:`report` gathers them."""
+
+    def __init__(self, rt, cfg, model_args, plan, precision: str):
+        from llama_train import engine as eng
+
+        self.rt, self.cfg, self.model_args, self.plan = rt, cfg, model_args, plan
+        self.precision = precision
+        ds = cfg.deepspeed
+        eng.warm_up(ds.offload_optimizer or ds.offload_params)  # not in the idle baseline
+        self.meter = PeakMeter(rt.device)
+        self.steps_done = 0
+        self.first_step = 0  # the step the run starts from (a resume's)
+        self.training = True
+        self.to_first_step_s: Optional[float] = None
+        self.checkpoint: Optional[Dict[str, Any]] = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.meter.start()
+        yield
+        self.meter.stop(name)
+
+    def step_phase(self, what: str):
+        """A forward, backward or optimizer step: measured during the first steps' training."""
+        if not self.training or self.steps_done >= MEASURED_STEPS:
+            return contextlib.nullcontext()
+        return self.phase(f"step{self.first_step + self.steps_done + 1} {what}")
+
+    def step_done(self) -> None:
+        self.steps_done += 1
+        if self.steps_done == 1:
+            self.to_first_step_s = process_age_s()
+
+    def saved(self, ckpt: Path) -> None:
+        """The first checkpoint's bytes: this rank's own files, and rank 0's (which a real job
+        writes once, whatever N)."""
+        if self.checkpoint is not None:
+            return
+        mine = (f"zero_pp_rank_{self.rt.rank}_", f"rank_{self.rt.rank:05d}.pt")
+        own = rank0 = 0
+        for f in Path(ckpt).rglob("*"):
+            if f.is_file():
+                size = f.stat().st_size
+                if any(m in f.name for m in mine):
+                    own += size
+                else:
+                    rank0 += size
+        self.checkpoint = {"path": str(ckpt), "rank_bytes": own, "rank0_bytes": rank0,
+                           "job_bytes": self.rt.world_size * own + rank0}
+
+    # -- the report --------------------------------------------------------------------------
+    def planned(self) -> Dict[str, Any]:
+        """The planner's phases for this rank (bytes), or {"error": why} where it has none."""
+        from llama_train.scaling.memory import rank_peak_memory
+
+        ds = self.cfg.deepspeed
+        try:
+            return rank_peak_memory(
+                self.model_args, zero_stage=ds.zero_stage, world_size=self.rt.world_size,
+                dtype=self.precision, micro_batch=self.plan.micro_batch,
+                seq_len=self.plan.seq_len, offload_optimizer=ds.offload_optimizer,
+                offload_params=ds.offload_params, device=self.rt.device_type, ds=ds,
+                gloo_copies=False)  # collectives answered in place: gloo copies nothing here
+        except ValueError as e:  # ScalingError: settings the planner does not model
+            return {"error": str(e)}
+
+    def _not_yet(self, planned: Dict[str, Any], phase: str, first_step: bool) -> float:
+        """What the planner's ``phase`` holds that a fresh run's first forward and backward do
+        not have yet: under ZeRO-3 DeepSpeed allocates the Adam moments in the first optimizer
+        step (measured: llama3_8b at 64 ranks, step 1's backward 0.98 GiB below step 2's)."""
+        if not first_step or self.cfg.deepspeed.zero_stage != 3 or phase not in (
+                "forward", "backward", "backward end"):
+            return 0.0
+        return planned["phase_terms"][phase].get("moments", 0.0)
+
+    def report(self) -> Dict[str, Any]:
+        planned = self.planned()
+        phases = planned.get("phases", {})
+        key = self.meter.key
+        rows: List[Dict[str, Any]] = []
+        for name, m in self.meter.phases.items():
+            kind = name.split(" ")[-1]
+            plan = [phases[p] - self._not_yet(planned, p, name.startswith("step1 "))
+                    for p in PLANNED.get(kind, ()) if p in phases]
+            row = {"phase": name, "peak_bytes": m[key], "seconds": m["seconds"] / m.get("count", 1),
+                   "planned_bytes": max(plan) if plan else None}
+            if self.meter.cuda:
+                row.update(max_allocated=m["max_allocated"], max_reserved=m["max_reserved"])
+            row["ratio"] = (row["peak_bytes"] / row["planned_bytes"]
+                            if row["planned_bytes"] else None)
+            rows.append(row)
+        peak = self.meter.report()
+        return {"ranks": self.rt.world_size, "rank": self.rt.rank, "device": self.rt.device_type,
+                "measure": peak["measure"], "idle_bytes": self.meter.idle["rss"],
+                "phases": rows, "peak_bytes": peak["peak_above_idle"],
+                "peak_phase": peak["peak_phase"], "planned_peak_bytes": planned.get("total"),
+                "planned_peak_phase": planned.get("peak_phase"),
+                "planner_error": planned.get("error"),
+                "checkpoint": self.checkpoint, "first_step": self.first_step + 1,
+                "command_to_first_step_s": self.to_first_step_s}
+
+
+def format_table(r: Dict[str, Any]) -> str:
+    """The report as the table printed at the end of a simulated run."""
+    gib = 2 ** 30
+
+    def size(b: Optional[float]) -> str:
+        return f"{'-':>9}" if b is None else f"{b / gib:9.3f}"
+
+    lines = [f"simulated rank {r['rank']} of {r['ranks']} on {r['device']} "
+             f"(peak = {r['measure']}, GiB):",
+             f"  {'phase':<18} {'peak':>9} {'planned':>9} {'ratio':>6} {'seconds':>9}"]
+    for row in r["phases"]:
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:6.2f}"
+        lines.append(f"  {row['phase']:<18} {size(row['peak_bytes'])} "
+                     f"{size(row['planned_bytes'])} {ratio:>6} {row['seconds']:9.2f}")
+    planned = r["planned_peak_bytes"]
+    ratio = f"{r['peak_bytes'] / planned:6.2f}" if planned else "-"
+    lines.append(f"  {'peak (' + r['peak_phase'] + ')':<18} {size(r['peak_bytes'])} "
+                 f"{size(planned)} {ratio:>6}")
+    if r["planner_error"]:
+        lines.append(f"  the planner has no figure: {r['planner_error']}")
+    c = r["checkpoint"]
+    if c:
+        lines.append(f"  checkpoint: this rank's files {c['rank_bytes'] / 2**20:.1f} MiB, rank 0's "
+                     f"{c['rank0_bytes'] / 2**20:.1f} MiB; the job's ~{c['job_bytes'] / gib:.2f} GiB")
+    if r["command_to_first_step_s"] is not None:
+        lines.append(f"  from the command to the end of step {r['first_step']}: "
+                     f"{r['command_to_first_step_s']:.1f} s")
+    return "\n".join(lines)
+
+
+class MeteredEngine:
+    """The engine as the loop sees it, with the first steps' forward, backward and optimizer
+    step measured; everything else passes through."""
+
+    def __init__(self, engine, sim: Simulation):
+        self._engine, self._sim = engine, sim
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def __call__(self, x, y, **kwargs):
+        with self._sim.step_phase("forward"):
+            return self._engine(x, y, **kwargs)
+
+    def backward(self, loss) -> None:
+        with self._sim.step_phase("backward"):
+            self._engine.backward(loss)
+
+    def step(self, nonfinite_loss: bool = False):
+        with self._sim.step_phase("step"):
+            result = self._engine.step(nonfinite_loss)
+        self._sim.step_done()
+        return result
+
+    def train(self) -> None:
+        self._sim.training = True
+        self._engine.train()
+
+    def eval(self) -> None:
+        self._sim.training = False
+        self._engine.eval()
+
+
+def rename_losses(metrics: Dict[str, Any]) -> Dict[str, Any]:
+    """A simulated rank's losses are its own, not the job's: recorded under other names, so
+    nothing that reads ``loss`` or ``val_loss`` takes them for the job's."""
+    return {(f"rank_{k}" if k in ("loss", "val_loss", "val_ppl") or k.startswith("val_loss/")
+             else k): v for k, v in metrics.items()}
+
+
+def simulation_config(cfg):
+    """The config a simulated rank trains with: W&B and the text sample switched off (a W&B
+    run of one rank's numbers, a sample from mirrored weights: both would mislead)."""
+    from dataclasses import replace
+
+    tracking = replace(cfg.tracking, wandb=replace(cfg.tracking.wandb, mode="disabled"))
+    return replace(cfg, tracking=tracking, sample=replace(cfg.sample, tokens=0))
