@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, Optional
 
 from llama_train.meter import PeakMeter, process_age_s
 
@@ -25,7 +25,8 @@ MEASURED_STEPS = 3  # the first steps measured phase by phase (step 1 allocates 
 
 # measured phase -> the planner's phases it is compared with (the largest of them)
 PLANNED = {"build": ("build",), "initialize": ("initialize",), "forward": ("forward",),
-           "backward": ("backward", "backward end"), "step": ("step", "all-gather")}
+           "backward": ("backward", "backward end"), "step": ("step", "all-gather"),
+           "save": ("save",), "load": ("load",)}
 
 
 def start_warning(world: int, rank: int) -> str:
@@ -90,55 +91,88 @@ class Simulation:
                            "job_bytes": self.rt.world_size * own + rank0}
 
     # -- the report --------------------------------------------------------------------------
-    def planned(self) -> Dict[str, Any]:
-        """The planner's phases for this rank (bytes), or {"error": why} where it has none."""
-        from llama_train.scaling.memory import rank_peak_memory
-
-        ds = self.cfg.deepspeed
-        try:
-            return rank_peak_memory(
-                self.model_args, zero_stage=ds.zero_stage, world_size=self.rt.world_size,
-                dtype=self.precision, micro_batch=self.plan.micro_batch,
-                seq_len=self.plan.seq_len, offload_optimizer=ds.offload_optimizer,
-                offload_params=ds.offload_params, device=self.rt.device_type, ds=ds,
-                gloo_copies=False)  # collectives answered in place: gloo copies nothing here
-        except ValueError as e:  # ScalingError: settings the planner does not model
-            return {"error": str(e)}
-
-    def _not_yet(self, planned: Dict[str, Any], phase: str, first_step: bool) -> float:
-        """What the planner's ``phase`` holds that a fresh run's first forward and backward do
-        not have yet: under ZeRO-3 DeepSpeed allocates the Adam moments in the first optimizer
-        step (measured: llama3_8b at 64 ranks, step 1's backward 0.98 GiB below step 2's)."""
-        if not first_step or self.cfg.deepspeed.zero_stage != 3 or phase not in (
-                "forward", "backward", "backward end"):
-            return 0.0
-        return planned["phase_terms"][phase].get("moments", 0.0)
-
     def report(self) -> Dict[str, Any]:
-        planned = self.planned()
-        phases = planned.get("phases", {})
-        key = self.meter.key
-        rows: List[Dict[str, Any]] = []
-        for name, m in self.meter.phases.items():
-            kind = name.split(" ")[-1]
-            plan = [phases[p] - self._not_yet(planned, p, name.startswith("step1 "))
-                    for p in PLANNED.get(kind, ()) if p in phases]
-            row = {"phase": name, "peak_bytes": m[key], "seconds": m["seconds"] / m.get("count", 1),
-                   "planned_bytes": max(plan) if plan else None}
-            if self.meter.cuda:
-                row.update(max_allocated=m["max_allocated"], max_reserved=m["max_reserved"])
-            row["ratio"] = (row["peak_bytes"] / row["planned_bytes"]
-                            if row["planned_bytes"] else None)
-            rows.append(row)
         peak = self.meter.report()
-        return {"ranks": self.rt.world_size, "rank": self.rt.rank, "device": self.rt.device_type,
-                "measure": peak["measure"], "idle_bytes": self.meter.idle["rss"],
-                "phases": rows, "peak_bytes": peak["peak_above_idle"],
-                "peak_phase": peak["peak_phase"], "planned_peak_bytes": planned.get("total"),
-                "planned_peak_phase": planned.get("peak_phase"),
-                "planner_error": planned.get("error"),
-                "checkpoint": self.checkpoint, "first_step": self.first_step + 1,
-                "command_to_first_step_s": self.to_first_step_s}
+        measured = [{"phase": name, "peak_bytes": m[self.meter.key],
+                     "seconds": m["seconds"] / m.get("count", 1),
+                     **({"max_allocated": m["max_allocated"], "max_reserved": m["max_reserved"]}
+                        if self.meter.cuda else {})}
+                    for name, m in self.meter.phases.items()]
+        report = {"ranks": self.rt.world_size, "rank": self.rt.rank,
+                  "device": self.rt.device_type, "measure": peak["measure"],
+                  "idle_bytes": self.meter.idle["rss"], "phases": measured,
+                  "peak_bytes": peak["peak_above_idle"], "peak_phase": peak["peak_phase"],
+                  "checkpoint": self.checkpoint, "first_step": self.first_step + 1,
+                  "command_to_first_step_s": self.to_first_step_s}
+        return beside_the_plan(report, self.cfg, self.model_args, self.plan, self.precision)
+
+
+def planned(cfg, model_args, plan, precision: str, world: int, device: str) -> Dict[str, Any]:
+    """The planner's phases for one rank of ``world`` (bytes), or {"error": why} where it has
+    none. Collectives answered in place copy nothing, so gloo's own copies are not counted."""
+    from llama_train.scaling.memory import rank_peak_memory
+
+    ds = cfg.deepspeed
+    try:
+        return rank_peak_memory(
+            model_args, zero_stage=ds.zero_stage, world_size=world, dtype=precision,
+            micro_batch=plan.micro_batch, seq_len=plan.seq_len,
+            offload_optimizer=ds.offload_optimizer, offload_params=ds.offload_params,
+            device=device, ds=ds, gloo_copies=False)
+    except ValueError as e:  # ScalingError: settings the planner does not model
+        return {"error": str(e)}
+
+
+def _not_yet(planned: Dict[str, Any], phase: str, zero_stage: int) -> float:
+    """What the planner's ``phase`` holds that a fresh run's first forward and backward do not
+    have yet: under ZeRO-3 DeepSpeed allocates the Adam moments in the first optimizer step
+    (measured: llama3_8b at 64 ranks, step 1's backward 0.98 GiB below step 2's)."""
+    if zero_stage != 3 or phase not in ("forward", "backward", "backward end"):
+        return 0.0
+    return planned["phase_terms"][phase].get("moments", 0.0)
+
+
+def beside_the_plan(report: Dict[str, Any], cfg, model_args, plan,
+                    precision: str) -> Dict[str, Any]:
+    """``report`` (measured phases) with the planner's figure and the ratio beside each phase,
+    and the planner's peak."""
+    p = planned(cfg, model_args, plan, precision, report["ranks"], report["device"])
+    phases = {**p.get("phases", {}), **p.get("checkpoint_phases", {})}
+    rows = []
+    for row in report["phases"]:
+        name = row["phase"]
+        figures = [phases[k] - (_not_yet(p, k, cfg.deepspeed.zero_stage)
+                                if name.startswith("step1 ") else 0.0)
+                   for k in PLANNED.get(name.split(" ")[-1], ()) if k in phases]
+        want = max(figures) if figures else None
+        rows.append({**row, "planned_bytes": want,
+                     "ratio": row["peak_bytes"] / want if want else None})
+    return {**report, "phases": rows, "planned_peak_bytes": p.get("total"),
+            "planned_peak_phase": p.get("peak_phase"), "planner_error": p.get("error")}
+
+
+def replan(output_dir: str) -> Dict[str, Any]:
+    """A finished simulated run's report (its run_info.json) beside the planner as it is now:
+    after a change to the planner, the measurements need not be taken again."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from llama_train.config import Config, load_config, resolve_batch
+    from llama_train.records import RUN_INFO_FILE
+
+    out = Path(output_dir)
+    report = json.loads((out / RUN_INFO_FILE).read_text()).get("simulation")
+    if not report:
+        raise ValueError(f"{out / RUN_INFO_FILE} holds no simulation report: not a finished "
+                         f"comm.simulate_ranks run")
+    cfg = load_config(OmegaConf.merge(OmegaConf.structured(Config),
+                                      OmegaConf.load(out / "config.yaml")))
+    from llama_train.engine import resolve_precision
+
+    precision = resolve_precision(cfg.deepspeed, report["device"])
+    return beside_the_plan(report, cfg, cfg.model, resolve_batch(cfg.trainer, report["ranks"]),
+                           precision)
 
 
 def format_table(r: Dict[str, Any]) -> str:
@@ -218,3 +252,9 @@ def simulation_config(cfg):
 
     tracking = replace(cfg.tracking, wandb=replace(cfg.tracking.wandb, mode="disabled"))
     return replace(cfg, tracking=tracking, sample=replace(cfg.sample, tokens=0))
+
+
+if __name__ == "__main__":  # python -m llama_train.simulation OUTPUT_DIR
+    import sys
+
+    print(format_table(replan(sys.argv[1])))
