@@ -510,10 +510,10 @@ def _zero3_phases(t: _RankTerms) -> Tuple[Phases, Set[str]]:
 
 def _checkpoint_phases(t: _RankTerms, zero_stage: int) -> Phases:
     """A checkpoint's save and a resume's load, beside the training peak (not part of it): the
-    save writes the states in place (a few percent of serialisation buffers come on top:
-    measured 1.05-1.10x at 64-512 ranks); the load holds this rank's optimizer file (fp32
-    master and moments, 12 Psi/N) while it is copied in, and under ZeRO-1/2 the whole 16-bit
-    module state dict (p Psi) too. ZeRO-0: not modelled (empty)."""
+    save writes the states (and the ipg bucket, resident since initialize) in place; the load
+    holds this rank's optimizer file (fp32 master and moments, 12 Psi/N) while it is copied in,
+    and under ZeRO-1/2 the whole 16-bit module state dict (p Psi) too. Measured within 0.95-1.06
+    at 64-1024 ranks (docs/benchmarks-scale.md). ZeRO-0: not modelled (empty)."""
     part, p, g = t.part, t.p, t.g
     if zero_stage == 3:
         states = {"param partition": p * part, "grad partitions": g * part,
@@ -526,6 +526,7 @@ def _checkpoint_phases(t: _RankTerms, zero_stage: int) -> Phases:
                   "fp32 master": 4.0 * part, "moments": 8.0 * part}
     else:
         return {}
+    states["ipg bucket"] = g * t.bucket  # allocated in initialize, resident from then on
     load = {**states, "optimizer file": 12.0 * part}
     if zero_stage in (1, 2):
         load["module state dict"] = p * t.psi
