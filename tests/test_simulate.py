@@ -86,6 +86,23 @@ def test_zero12_rank_holds_one_nth_of_the_flat_group(tmp_path, stage, world):
             (part, numel, world)
 
 
+@pytest.mark.parametrize("overrides", [
+    ["deepspeed.zero_stage=0"],
+    ["deepspeed.zero_stage=3", "deepspeed.precision=bf16", "model.activation_checkpointing=true",
+     "trainer.eval_every=2"],
+], ids=["zero0-fp32", "zero3-bf16-checkpointing-eval"])
+def test_other_settings_run_as_a_simulated_rank(tmp_path, overrides):
+    out = tmp_path / "out"
+    result = train(cfg_for(out, *SIM, "comm.simulate_ranks=64", "comm.simulate_rank=63",
+                           *overrides))
+    assert result["step"] == 4 and len(result["losses"]) == 4
+    assert all(math.isfinite(v) for v in result["losses"].values())
+    recorded = rows(out)
+    assert [r["step"] for r in recorded if "rank_loss" in r] == [1, 2, 3, 4]
+    if "trainer.eval_every=2" in overrides:
+        assert [r["step"] for r in recorded if "rank_val_loss" in r] == [2, 4]
+
+
 def test_a_simulated_rank_resumes_exactly_and_reports_every_phase(tmp_path):
     """A 64-rank ZeRO-3 job's rank 3: 4 steps, then 2 more from its step-4 checkpoint, give the
     losses of 6 uninterrupted steps bit for bit; the report names every phase with the
