@@ -120,3 +120,16 @@ def test_export_and_import_match_transformers(uninterrupted, runs, tmp_path):
     # one step at lr ~1.5e-5 from the trained weights stays near their validation loss,
     # far below the ~7.6 of a fresh initialisation
     assert abs(first - full) < 0.05, (first, full)
+
+
+def test_a_simulated_zero2_rank_holds_what_the_real_rank_holds(uninterrupted, runs):
+    """comm.simulate_ranks=2, rank 1, ZeRO-2, in one process: its fp32 partitions are exactly
+    those of rank 1 of the real 2-rank launch (test_simulate.py checks 64 and 512 ranks)."""
+    from test_simulate import fp32_partitions
+
+    out = runs / "simulated"
+    one_process(out, [*STEPS, "trainer.micro_batch=2", "trainer.max_steps=4",
+                      "comm.simulate_ranks=2", "comm.simulate_rank=1"], runs / "simulated.log")
+    step4 = ("checkpoints", "step_00000004")
+    assert fp32_partitions(out.joinpath(*step4), 1) == \
+        fp32_partitions(uninterrupted.joinpath(*step4), 1)
