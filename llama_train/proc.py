@@ -57,29 +57,9 @@ def limit_retained_heap(threshold: int = 65536) -> bool:
 
 
 def free_port() -> int:
-    """A TCP port free on this host right now, for a rendezvous on 127.0.0.1, picked below the
-    kernel's ephemeral range (``ip_local_port_range``). A port the kernel hands out (bind to 0)
-    can be handed out again to anything that binds or connects before the rendezvous binds it,
-    seconds later once rank 0 has imported torch: with other jobs' gloo ranks opening dozens
-    of connections, two memory-bench launches of one test run lost their port that way
-    (EADDRINUSE). Below the range only another explicit pick can take it."""
-    import random
+    """A TCP port free on this host right now (for a rendezvous on 127.0.0.1)."""
     import socket
 
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
-            low = int(fh.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    pick = random.SystemRandom()  # not the global generator, which a caller may have seeded
-    for _ in range(50):
-        port = pick.randint(min(10000, low - 1000), low - 1)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

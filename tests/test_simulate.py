@@ -152,6 +152,23 @@ def test_a_real_job_never_continues_a_simulated_rank(tmp_path):
             train(cfg_for(tmp_path / "out", "trainer.max_steps=4", *other))
 
 
+def test_a_simulation_leaves_later_launched_ranks_alone(tmp_path):
+    """After a simulated rank ran in this process (a test runner), a rank that this process
+    launches later is the rank its launcher says: a marker the simulation once left in the
+    environment made every such rank rank 0 of a world of one (EADDRINUSE, a held lock)."""
+    import os
+    import sys
+
+    train(cfg_for(tmp_path / "out", *SIM, "trainer.max_steps=2", "comm.simulate_ranks=64"))
+    env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_SIZE": "2",
+           "CROSS_RANK": "0"}
+    code = ("from llama_train.engine import detect_runtime; "
+            "rt = detect_runtime('cpu'); print(rt.rank, rt.world_size)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out[-2:] == ["1", "2"]
+
+
 @pytest.mark.parametrize("overrides,key", [
     (["comm.simulate_ranks=1"], "comm.simulate_ranks=1"),
     (["comm.simulate_ranks=-4"], "comm.simulate_ranks=-4"),

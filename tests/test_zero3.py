@@ -143,3 +143,21 @@ def test_a_simulated_rank_holds_what_the_real_rank_holds(reference, runs):
     assert sim_files.keys() == real_files.keys()
     assert sim_files["zero_pp_rank_1_mp_rank_00_optim_states.pt"] == pytest.approx(
         real_files["zero_pp_rank_1_mp_rank_00_optim_states.pt"], rel=0.02)
+
+
+def test_a_simulated_rank_of_four_holds_what_the_real_rank_holds(runs):
+    """The same against a real 4-rank launch: rank 3's partitions, simulated alone, are those
+    of rank 3 of the launched job, and DeepSpeed's ceil(numel / 4) per parameter."""
+    from test_simulate import fp32_partitions, zero3_partitions
+
+    from helpers import compose_cfg
+
+    settings = [*Z3, "trainer.micro_batch=1", "trainer.max_steps=2", "trainer.eval_every=1000",
+                "sample.tokens=0"]
+    real, sim = runs / "four", runs / "four-simulated"
+    train(real, settings, nprocs=4)
+    one_process(sim, [*settings, "comm.simulate_ranks=4", "comm.simulate_rank=3"],
+                runs / "four-simulated.log")
+    step2 = ("checkpoints", "step_00000002")
+    assert fp32_partitions(sim.joinpath(*step2), 3) == fp32_partitions(real.joinpath(*step2), 3) \
+        == zero3_partitions(compose_cfg(["model=tiny"]), 4)

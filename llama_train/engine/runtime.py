@@ -45,7 +45,18 @@ class Runtime:
 LAUNCHER_ENV = ("CROSS_RANK", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE")
 
 
-_SIMULATED_ENV = "LLAMA_TRAIN_SIMULATED"
+# What a simulated rank set in this process's environment. Kept here, not in the environment:
+# a marker variable there was inherited by every process started later (a test runner's
+# launcher jobs), whose ranks then all took themselves for rank 0 of a world of one.
+_SIMULATION_ENV: dict = {}
+
+
+def _left_by_a_simulation() -> bool:
+    """Whether RANK and WORLD_SIZE are still what a simulated rank of this process set."""
+    left = bool(_SIMULATION_ENV) and all(os.environ.get(k) == v
+                                          for k, v in _SIMULATION_ENV.items())
+    _SIMULATION_ENV.clear()
+    return left
 
 
 def launcher_env() -> Optional[str]:
@@ -69,7 +80,7 @@ def detect_runtime(device: str = "auto", simulate: Optional[Tuple[int, int]] = N
     os.environ.setdefault("DS_ACCELERATOR", device)
     if simulate is not None:
         return _simulated_runtime(device, *simulate)
-    if "RANK" not in os.environ or os.environ.pop(_SIMULATED_ENV, None):  # not under a launcher
+    if "RANK" not in os.environ or _left_by_a_simulation():  # not under a launcher
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -96,8 +107,10 @@ def _simulated_runtime(device: str, world: int, rank: int) -> Runtime:
             f"process, but this process was started by a launcher ({found} is set): start it "
             f"as a plain command (`llama-train comm.simulate_ranks={world} ...` or `python -m "
             f"llama_train.train ...`), or drop comm.simulate_ranks for a real run.")
-    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_SIZE="1")
-    os.environ[_SIMULATED_ENV] = "1"  # a later plain run in this process is a world of one
+    env = dict(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_SIZE="1")
+    os.environ.update(env)
+    _SIMULATION_ENV.clear()
+    _SIMULATION_ENV.update(env)  # a later plain run in this process is a world of one again
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     if device == "cuda":
