@@ -92,6 +92,7 @@ def preflight(cfg: Config) -> Preflight:
         log.warning("%s", start_warning(rt.world_size, rt.rank))
         cfg = simulation_config(cfg)
     cfg, experiment = plan_experiment(cfg, rt.world_size)
+    cfg, candidate = _keep_checkpoint_batch(cfg, rt.world_size, rt.is_main)
     plan = validate(cfg, rt.world_size, rt.device_type)
     if rt.is_main:
         for warning in config_warnings(cfg):
@@ -110,7 +111,7 @@ def preflight(cfg: Config) -> Preflight:
     _check_run_paths(cfg)
     check_not_held_by_another_job(cfg.trainer.output_dir)  # every rank, before the data
     _check_one_history(cfg)
-    resume = _check_resume(cfg, plan, rt.world_size)  # files only: before data and group
+    resume = _check_resume(cfg, plan, rt.world_size, candidate)  # files only: before data, group
     if resume is None:
         _check_outside_metrics_file(cfg)
     try:
@@ -133,7 +134,43 @@ def preflight(cfg: Config) -> Preflight:
                      resume=resume)
 
 
-def _check_resume(cfg: Config, plan: BatchPlan, world_size: int):
+_NOT_LOOKED = object()  # the resume candidate was not looked for yet
+
+
+def _keep_checkpoint_batch(cfg: Config, world_size: int, main: bool):
+    """A resume keeps the checkpoint's global batch (the data order is a function of it) when
+    the user sets none: trainer.global_batch's default, micro_batch x world size, changes with
+    the number of ranks, and a 2-rank run resumed on 1 rank was refused. Gradient accumulation
+    takes up the difference (said in the log); a global batch the user sets is judged as given
+    (a conflicting one is refused by the resume check, with this fix). Returns the config and
+    the resume candidate it read (looked for once: a file that changes between two looks must
+    not be judged twice), or ``_NOT_LOOKED``."""
+    from llama_train.checkpoint import read_state, resume_candidate
+
+    t = cfg.trainer
+    if t.global_batch is not None or t.global_batch_tokens is not None:
+        return cfg, _NOT_LOOKED
+    ckpt = resume_candidate(t.output_dir, t.resume)
+    if ckpt is None:
+        return cfg, None
+    saved = int(read_state(ckpt)["global_batch"])
+    per_step = t.micro_batch * world_size
+    if saved == per_step:
+        return cfg, ckpt
+    if saved % per_step:
+        raise ConfigError(
+            f"checkpoint {ckpt} was trained with a global batch of {saved} sequences, which "
+            f"trainer.micro_batch={t.micro_batch} x {world_size} rank(s) = {per_step} does not "
+            f"divide: set trainer.micro_batch so that micro_batch x ranks divides {saved} (the "
+            f"global batch cannot change within a run), or start a new trainer.output_dir.")
+    if main:
+        log.info("resuming %s: keeping its global batch of %d sequences (trainer.micro_batch=%d "
+                 "x %d rank(s) x %d accumulation steps): the global batch cannot change "
+                 "within a run", ckpt, saved, t.micro_batch, world_size, saved // per_step)
+    return replace(cfg, trainer=replace(t, global_batch=saved)), ckpt
+
+
+def _check_resume(cfg: Config, plan: BatchPlan, world_size: int, candidate=_NOT_LOOKED):
     """The checkpoint a resume will most likely load (sizes checked, not checksums), judged by
     :mod:`llama_train.resume` from its files: a resume the run would refuse (another
     run-defining config, global batch or model shape) is refused before data preparation and
@@ -141,7 +178,8 @@ def _check_resume(cfg: Config, plan: BatchPlan, world_size: int):
     from llama_train.checkpoint import read_state, resume_candidate
     from llama_train.resume import check_resume
 
-    ckpt = resume_candidate(cfg.trainer.output_dir, cfg.trainer.resume)
+    ckpt = (resume_candidate(cfg.trainer.output_dir, cfg.trainer.resume)
+            if candidate is _NOT_LOOKED else candidate)
     if ckpt is None:
         return None
     return check_resume(ckpt, read_state(ckpt), to_container(cfg), world_size,

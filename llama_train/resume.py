@@ -140,8 +140,9 @@ def check_resume(ckpt: Path, saved_state: Dict[str, Any], run_config: Dict[str, 
     defining, safe = config_changes(saved_cfg, run_config)
     hard: List[Change] = []
     if saved_state["global_batch"] != global_batch:
-        hard.append(("global batch (sequences per step, as resolved)",
-                     saved_state["global_batch"], global_batch))
+        hard.append(("global batch (sequences per step, as resolved; leave trainer.global_batch "
+                     "and trainer.global_batch_tokens unset to keep the checkpoint's, "
+                     "gradient accumulation adapts)", saved_state["global_batch"], global_batch))
     hard += _tokenizer_change(ckpt, tokenizer_sha)
     hard += _simulation_change(saved_state, simulate, world_size)
     shape = _shape_change(saved_cfg.get("model"), run_config["model"])

@@ -306,8 +306,10 @@ def test_refusals_come_before_the_data_and_the_process_group(finished, monkeypat
     cases = [
         ("resume with another lr", run + ["optim.lr=1e-3"], ["optim.lr"]),
         ("resume with another shape", run + ["model.dim=256"], ["model shape"]),
-        ("resume with another global batch", run + ["trainer.micro_batch=4"],
-         ["global batch", "2 -> 4"]),
+        ("resume with a micro-batch that cannot make the global batch",
+         run + ["trainer.micro_batch=4"], ["global batch of 2 sequences", "trainer.micro_batch=4"]),
+        ("resume with another global batch", run + ["trainer.global_batch=4"],
+         ["global batch", "2 -> 4", "unset to keep the checkpoint's"]),
         ("explicit resume, another seed",
          [f"trainer.resume={out / 'checkpoints' / 'step_00000006'}", "trainer.seed=7",
           f"trainer.output_dir={tmp_path / 'fresh'}"], ["trainer.seed"]),

@@ -110,6 +110,30 @@ def test_resume_never_refuses_a_used_dir_and_overwrite_starts_one_history(tmp_pa
 # item 5: resuming under a changed config
 
 
+def test_a_resume_on_fewer_ranks_per_step_keeps_the_checkpoint_global_batch(tmp_path, capfd):
+    """Issue 28 item 2: the default global batch (micro_batch x ranks) changes with the number
+    of ranks, and a resume on another count was refused. Now the checkpoint's global batch is
+    kept and gradient accumulation takes up the difference; the losses follow the run that
+    never stopped (another summation order: 1e-5)."""
+    from llama_train.checkpoint import read_state
+
+    base = ["trainer.save_every=2", "trainer.max_steps=4"]
+    whole = train(cfg_for(tmp_path / "whole", *base))
+    out = tmp_path / "split"
+    train(cfg_for(out, *base, "trainer.steps_this_run=2"))
+    capfd.readouterr()
+    resumed = train(cfg_for(out, *base, "trainer.micro_batch=2"))
+    assert "keeping its global batch of 4 sequences (trainer.micro_batch=2 x 1 rank(s) x 2 " \
+        "accumulation steps)" in capfd.readouterr().err
+    assert read_state(out / "checkpoints" / "step_00000004")["global_batch"] == 4
+    for step in (3, 4):
+        assert resumed["losses"][step] == pytest.approx(whole["losses"][step], abs=1e-5)
+    # a global batch the user sets against the checkpoint's is refused, with the fix
+    with pytest.raises(ConfigError, match="leave trainer.global_batch and trainer.global_batch_"
+                                          "tokens unset to keep the checkpoint's"):
+        train(cfg_for(out, *base, "trainer.max_steps=6", "trainer.global_batch=8"))
+
+
 def test_changed_run_config_is_refused_unless_allowed_and_safe_changes_are_logged(tmp_path):
     out = tmp_path / "changed"
     base = ["trainer.save_every=2"]
@@ -117,12 +141,14 @@ def test_changed_run_config_is_refused_unless_allowed_and_safe_changes_are_logge
     before = snapshot(out)
     with pytest.raises(ConfigError) as err:
         train(cfg_for(out, *base, "trainer.max_steps=4", "optim.lr=0.001", "trainer.seed=7",
-                      "model.dim=192", "trainer.micro_batch=2"))
+                      "model.dim=192", "trainer.global_batch=8"))
     msg = str(err.value)
     for needle in ("optim.lr: 0.0003 -> 0.001", "trainer.seed: 1337 -> 7",
                    "model shape (the checkpoint's weights would not load): "
                    "'dim=128, ffn_hidden_dim=384' -> 'dim=192, ffn_hidden_dim=512'",
-                   "global batch (sequences per step, as resolved): 4 -> 2",
+                   "global batch (sequences per step, as resolved; leave trainer.global_batch "
+                   "and trainer.global_batch_tokens unset to keep the checkpoint's, gradient "
+                   "accumulation adapts): 4 -> 8",
                    "trainer.allow_config_change=[optim.lr,trainer.seed]"):
         assert needle in msg, msg
     assert "max_steps" not in msg  # safe: not among the refused
