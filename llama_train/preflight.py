@@ -92,7 +92,8 @@ def preflight(cfg: Config) -> Preflight:
         log.warning("%s", start_warning(rt.world_size, rt.rank))
         cfg = simulation_config(cfg)
     cfg, experiment = plan_experiment(cfg, rt.world_size)
-    cfg, candidate = _keep_checkpoint_batch(cfg, rt.world_size, rt.is_main)
+    candidate = _resume_candidate(cfg)  # looked for once: a file may change between looks
+    cfg = _keep_checkpoint_batch(cfg, candidate, rt.world_size, rt.is_main)
     plan = validate(cfg, rt.world_size, rt.device_type)
     if rt.is_main:
         for warning in config_warnings(cfg):
@@ -134,29 +135,28 @@ def preflight(cfg: Config) -> Preflight:
                      resume=resume)
 
 
-_NOT_LOOKED = object()  # the resume candidate was not looked for yet
+def _resume_candidate(cfg: Config):
+    """The checkpoint a resume will most likely load (files only, no checksums), or None."""
+    from llama_train.checkpoint import resume_candidate
+
+    return resume_candidate(cfg.trainer.output_dir, cfg.trainer.resume)
 
 
-def _keep_checkpoint_batch(cfg: Config, world_size: int, main: bool):
+def _keep_checkpoint_batch(cfg: Config, ckpt, world_size: int, main: bool) -> Config:
     """A resume keeps the checkpoint's global batch (the data order is a function of it) when
     the user sets none: trainer.global_batch's default, micro_batch x world size, changes with
     the number of ranks, and a 2-rank run resumed on 1 rank was refused. Gradient accumulation
     takes up the difference (said in the log); a global batch the user sets is judged as given
-    (a conflicting one is refused by the resume check, with this fix). Returns the config and
-    the resume candidate it read (looked for once: a file that changes between two looks must
-    not be judged twice), or ``_NOT_LOOKED``."""
-    from llama_train.checkpoint import read_state, resume_candidate
+    (a conflicting one is refused by the resume check, with this fix)."""
+    from llama_train.checkpoint import read_state
 
     t = cfg.trainer
-    if t.global_batch is not None or t.global_batch_tokens is not None:
-        return cfg, _NOT_LOOKED
-    ckpt = resume_candidate(t.output_dir, t.resume)
-    if ckpt is None:
-        return cfg, None
+    if ckpt is None or t.global_batch is not None or t.global_batch_tokens is not None:
+        return cfg
     saved = int(read_state(ckpt)["global_batch"])
     per_step = t.micro_batch * world_size
     if saved == per_step:
-        return cfg, ckpt
+        return cfg
     if saved % per_step:
         raise ConfigError(
             f"checkpoint {ckpt} was trained with a global batch of {saved} sequences, which "
@@ -167,19 +167,17 @@ def _keep_checkpoint_batch(cfg: Config, world_size: int, main: bool):
         log.info("resuming %s: keeping its global batch of %d sequences (trainer.micro_batch=%d "
                  "x %d rank(s) x %d accumulation steps): the global batch cannot change "
                  "within a run", ckpt, saved, t.micro_batch, world_size, saved // per_step)
-    return replace(cfg, trainer=replace(t, global_batch=saved)), ckpt
+    return replace(cfg, trainer=replace(t, global_batch=saved))
 
 
-def _check_resume(cfg: Config, plan: BatchPlan, world_size: int, candidate=_NOT_LOOKED):
+def _check_resume(cfg: Config, plan: BatchPlan, world_size: int, ckpt):
     """The checkpoint a resume will most likely load (sizes checked, not checksums), judged by
     :mod:`llama_train.resume` from its files: a resume the run would refuse (another
     run-defining config, global batch or model shape) is refused before data preparation and
     the process group. None: a fresh start."""
-    from llama_train.checkpoint import read_state, resume_candidate
+    from llama_train.checkpoint import read_state
     from llama_train.resume import check_resume
 
-    ckpt = (resume_candidate(cfg.trainer.output_dir, cfg.trainer.resume)
-            if candidate is _NOT_LOOKED else candidate)
     if ckpt is None:
         return None
     return check_resume(ckpt, read_state(ckpt), to_container(cfg), world_size,

@@ -8,16 +8,9 @@ is counted inside DeepSpeed's engine comes through :class:`llama_train.engine.En
 for measurement tools (``memory_roots``, ``after_autograd``, ``persistent_params``,
 ``gathered_numel``); this module never imports DeepSpeed.
 
-Peak memory, per phase (build, initialize, each step):
-
-* CPU: the kernel's high-water mark of this process's resident set, ``VmHWM`` in
-  ``/proc/self/status``. The **idle baseline** is ``VmRSS`` after the imports and the process
-  group's start (``init_distributed`` and a barrier), before anything of the model exists; the
-  high-water mark is reset to it there (``echo 5 > /proc/self/clear_refs``) and again at the start
-  of each phase, so each phase's peak is its own. Peak above idle = max over phases of VmHWM - the
-  idle VmRSS. Pages of DeepSpeed's shared-memory all-reduce buffer count once they are touched.
-* CUDA: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` (reset per phase), idle =
-  ``memory_allocated`` / ``memory_reserved`` at the same point.
+Peak memory, per phase (build, initialize, each step), is :class:`llama_train.meter.PeakMeter`'s
+(VmHWM above the idle VmRSS on CPU, the allocator's peaks on CUDA); the idle baseline is read
+after the imports, the process group's start and a warm-up, before anything of the model exists.
 
 After the first step (so AdamW has allocated its state), the forward and backward of the second
 are also counted tensor by tensor (each storage once) into params / grads / fp32 master / Adam

@@ -27,7 +27,6 @@ class Runtime:
     local_world_size: int
     simulated: bool = False  # comm.simulate_ranks: rank `rank` of `world_size`, alone here
 
-
     @property
     def device(self) -> torch.device:
         if self.device_type == "cuda":

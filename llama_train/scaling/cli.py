@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
@@ -112,7 +111,6 @@ def _cmd_inference_optimal(ns: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _cmd_model_info(ns: argparse.Namespace) -> Dict[str, Any]:
-    _name_ds_accelerator()
     res = model_info(ns.model, zero_stage=ns.zero_stage, world_size=ns.world_size, micro_batch=ns.micro_batch,
                      seq_len=ns.seq_len, offload_optimizer=ns.offload_optimizer,
                      checkpointing=True if ns.activation_checkpointing else None, attention=ns.attention)
@@ -163,16 +161,6 @@ def _describe(c: Dict[str, Any]) -> str:
     if c.get("offload_params"):
         bits.append("param offload")
     return ", ".join(bits)
-
-
-def _name_ds_accelerator() -> None:
-    """Before DeepSpeed's first import: unless the user set DS_ACCELERATOR, name the accelerator
-    torch sees (cuda or cpu). Without it DeepSpeed detects one and on CPU logs "Setting
-    accelerator to CPU ..." through a handler on stdout, a line ahead of --json's JSON."""
-    if "DS_ACCELERATOR" not in os.environ:
-        import torch
-
-        os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _peak_and_advice(ns: argparse.Namespace, res: Dict[str, Any]) -> None:
@@ -499,8 +487,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(ns, "top_k", None) == 0:
         ns.top_k = None
     try:
-        # --json: stdout holds the JSON alone; whatever else is printed meanwhile (a library's
-        # log line, a warning) goes to stderr
+        # --json: stdout holds the JSON alone; whatever else is printed meanwhile goes to
+        # stderr (DeepSpeed, imported by model-info, logs "Setting accelerator to CPU" through
+        # a handler on stdout unless DS_ACCELERATOR is set)
         with contextlib.redirect_stdout(sys.stderr) if ns.json else contextlib.nullcontext():
             res = ns.func(ns)
         if ns.json:
