@@ -36,6 +36,9 @@ import logging
 import os
 import random
 import shutil
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -45,7 +48,9 @@ import torch
 from llama_train.config import ConfigError
 from llama_train.engine.ds_checkpoint import (consolidate_fp32, convert_to_universal, failed_file,
                                               load_error_cause)
+from llama_train.engine.wrapper import host_copy
 from llama_train.hooks import Hook
+from llama_train.watchdog import phase as watchdog_phase
 from llama_train.util import free_bytes, fsync_dir, fsync_tree, within
 
 log = logging.getLogger("llama_train")
@@ -111,12 +116,39 @@ def _sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def write_manifest(ckpt: Path, checksums: bool) -> Dict[str, Any]:
+def _sha256_all(paths: Sequence[Path]) -> List[str]:
+    """sha256 of each file, several at once: hashlib and file reads release the GIL, so the
+    threads use as many cores (hashing is the bulk of verifying or writing a manifest, and the
+    other ranks wait meanwhile)."""
+    if len(paths) < 2:
+        return [_sha256(p) for p in paths]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, len(paths))) as pool:
+        return list(pool.map(_sha256, paths))
+
+
+def write_manifest(ckpt: Path, checksums: bool,
+                   known: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """manifest.json for every file under ``ckpt``. ``known``: files already hashed by the
+    rank that wrote them (an asynchronous save: every rank hashes its own), taken as they are
+    when their size still matches."""
     files = {}
+    known = known or {}
+    todo = []  # files to hash here
     for p in sorted(ckpt.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
             rel = p.relative_to(ckpt).as_posix()
-            files[rel] = {"size": p.stat().st_size, "sha256": _sha256(p) if checksums else None}
+            size = p.stat().st_size
+            if rel in known and known[rel]["size"] == size and \
+                    (known[rel]["sha256"] or not checksums):
+                files[rel] = dict(known[rel])
+                continue
+            files[rel] = {"size": size, "sha256": None}
+            todo.append((rel, p))
+    if checksums:
+        for (rel, _), digest in zip(todo, _sha256_all([p for _, p in todo])):
+            files[rel]["sha256"] = digest
     manifest = {"version": 1, "files": files}
     (ckpt / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
@@ -151,8 +183,11 @@ def verify(ckpt: Path, checksums: bool = True,
             return f"missing file {rel}"
         if p.stat().st_size != info["size"]:
             return f"{rel} has {p.stat().st_size} bytes, manifest says {info['size']} (truncated?)"
-        if checksums and info.get("sha256") and _sha256(p) != info["sha256"]:
-            return f"{rel} fails its sha256 checksum (corrupted)"
+    if checksums:
+        hashed = [rel for rel, info in files.items() if info.get("sha256")]
+        for rel, digest in zip(hashed, _sha256_all([ckpt / rel for rel in hashed])):
+            if digest != files[rel]["sha256"]:
+                return f"{rel} fails its sha256 checksum (corrupted)"
     return None
 
 
@@ -280,13 +315,30 @@ def set_aside_history(output_dir: str, mode: str, extra: Tuple[str, ...] = ()) -
     return dest
 
 
+@dataclass
+class SaveRecord:
+    """One save as the metrics record it: how long the loop was blocked (waiting for the
+    previous write, the checks and the copy to host memory) and how long until it was durable
+    (the final name and manifest on disk), both from the save's start."""
+
+    step: int
+    path: Path
+    blocked_s: float
+    waited_s: float  # of blocked_s: waiting for the previous save's background write
+    durable_s: Optional[float] = None
+    error: Optional[CheckpointError] = None
+
+
 class CheckpointManager:
     """Saves and finds checkpoints; every rank calls ``save`` (DeepSpeed writes shards per rank)."""
 
     def __init__(self, output_dir: str, keep_last: int, checksums: bool, rank: int,
-                 world_size: int, hooks: Sequence[Hook] = (), lead: Optional[bool] = None):
+                 world_size: int, hooks: Sequence[Hook] = (), lead: Optional[bool] = None,
+                 async_save: bool = False, group: Any = None):
         """``lead``: whether this process does rank 0's part (the directory, the manifest, the
-        choice of checkpoint); default: rank 0. A simulated rank leads its job of one."""
+        choice of checkpoint); default: rank 0. A simulated rank leads its job of one.
+        ``async_save``: write in the background (:meth:`save`), the ranks agreeing over
+        ``group``, a process group no other thread uses while a write is in flight."""
         self.output_dir = output_dir
         self.root = Path(output_dir) / "checkpoints"
         self.hooks = list(hooks)  # on_checkpoint_dir / checkpoint_writes (fault injection)
@@ -295,19 +347,31 @@ class CheckpointManager:
         self.rank = rank
         self.world_size = world_size
         self.lead = rank == 0 if lead is None else lead
+        self.async_save = async_save
+        self.group = group  # the ranks' agreement in a background write (not the loop's group)
+        self._inflight: Optional[threading.Thread] = None  # the write in flight (async_save)
+        self._done: List[SaveRecord] = []  # saves finished since finished() was last asked
 
     # -- save --------------------------------------------------------------------------------
     def save(self, engine, step: int, trainer_state: Dict[str, Any], rank_state: Dict[str, Any],
              describe: Dict[str, Any]) -> Path:
-        """Write ``step_N`` atomically. On any rank's failure every rank raises CheckpointError
-        and the earlier checkpoints are left untouched."""
-        import torch.distributed as dist
+        """Write ``step_N`` atomically; returns its final path. On any rank's failure every rank
+        raises CheckpointError and the earlier checkpoints are left untouched.
 
+        With ``async_save`` the save returns once the state is copied to host memory and the
+        writes, fsync, checksums and manifest run on a background thread: the checkpoint is
+        complete only when :meth:`wait` returns, and a failed write raises there, or at the next
+        save, which waits for the write in flight (at most one)."""
+        t0 = time.perf_counter()
+        previous = self._inflight.record.path.name if self._inflight is not None else None
+        waited = self.wait()  # at most one write in flight
+        if waited >= 0.01 and self.lead:
+            log.info("the save of step %d waited %.1fs for the background write of %s (the "
+                     "disk is slower than trainer.save_every steps)", step, waited, previous)
         name = f"step_{step:08d}"
         final, tmp = self.root / name, self.root / f".tmp-{name}"
         self._refuse_nonfinite(engine, step, final)
         error: Optional[str] = None
-        fix: Optional[str] = None  # what to do, when it is not "free space" (agreed with error)
         try:
             if self.lead:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -319,23 +383,132 @@ class CheckpointManager:
         except OSError as e:
             error = f"rank 0 could not create {tmp}: {e}"
         error = _agree(error)
-        if error is None:
-            try:
-                with contextlib.ExitStack() as writes:
-                    for h in self.hooks:
-                        writes.enter_context(h.checkpoint_writes(step))
-                    engine.save(str(tmp), DS_TAG)  # holds an I/O error until all ranks return
-                    (tmp / "ranks").mkdir(exist_ok=True)
-                    torch.save(rank_state, tmp / "ranks" / f"rank_{self.rank:05d}.pt")
-            except Exception as e:  # noqa: BLE001 - disk full, permissions, ...
+        if self.async_save and error is None:
+            snapshot: List[Tuple[str, Any]] = []
+            try:  # DeepSpeed's collectives and directories here; its files' states copied
+                engine.save(str(tmp), DS_TAG, snapshot=snapshot)
+                rank_state = host_copy(rank_state)
+                # the rest as it is now, too: the loop moves on, a file may change meanwhile
+                trainer_state = json.loads(json.dumps(trainer_state))
+                if self.lead and describe.get("tokenizer"):
+                    describe = {**describe,
+                                "tokenizer_bytes": Path(describe["tokenizer"]).read_bytes()}
+            except Exception as e:  # noqa: BLE001 - a directory DeepSpeed could not create
                 error = f"rank {self.rank}: {type(e).__name__}: {e}"
             error = _agree(error)
+            if error is None:
+                record = SaveRecord(step, final, blocked_s=time.perf_counter() - t0,
+                                    waited_s=waited)
+                self._inflight = threading.Thread(
+                    target=self._write_in_background, name=f"checkpoint-writer-{name}",
+                    args=(record, t0, tmp, snapshot, rank_state, trainer_state, describe),
+                    daemon=True)
+                self._inflight.record = record  # type: ignore[attr-defined]
+                self._inflight.start()
+                return final
+        if error is None:
+            error = self._write_rank_files(step, tmp, rank_state, engine=engine)
+        self._commit(step, tmp, final, error, trainer_state, describe, group=None, hashed={})
+        self._done.append(SaveRecord(step, final, blocked_s=time.perf_counter() - t0,
+                                     waited_s=waited, durable_s=time.perf_counter() - t0))
+        return final
+
+    def _write_rank_files(self, step: int, tmp: Path, rank_state: Dict[str, Any], engine=None,
+                          snapshot: Sequence[Tuple[str, Any]] = ()) -> Optional[str]:
+        """This rank's files: DeepSpeed's shards (through ``engine``, or its ``snapshot`` from
+        host memory) and the rank's own state. None, or what failed."""
+        try:
+            with contextlib.ExitStack() as writes:
+                for h in self.hooks:
+                    writes.enter_context(h.checkpoint_writes(step))
+                if engine is not None:
+                    engine.save(str(tmp), DS_TAG)  # holds an I/O error until all ranks return
+                for file, state in snapshot:
+                    torch.save(state, file)
+                (tmp / "ranks").mkdir(exist_ok=True)
+                torch.save(rank_state, tmp / "ranks" / f"rank_{self.rank:05d}.pt")
+        except Exception as e:  # noqa: BLE001 - disk full, permissions, ...
+            return f"rank {self.rank}: {type(e).__name__}: {e}"
+        return None
+
+    def _write_in_background(self, record: "SaveRecord", t0: float, tmp: Path,
+                             snapshot: List[Tuple[str, Any]], rank_state: Dict[str, Any],
+                             trainer_state: Dict[str, Any], describe: Dict[str, Any]) -> None:
+        """The writer thread of an asynchronous save: this rank's files from the snapshot, made
+        durable and hashed here (every rank hashes its own, in parallel), then the commit, with
+        the ranks agreeing over the checkpoint group (the training loop's group is busy)."""
+        hashed: Dict[str, Dict[str, Any]] = {}
+        error = self._write_rank_files(record.step, tmp, rank_state, snapshot=snapshot)
+        written = [Path(f) for f, _ in snapshot] + [tmp / "ranks" / f"rank_{self.rank:05d}.pt"]
+        snapshot.clear()  # the host copy is no longer needed
+        if error is None:
+            try:
+                for p in written:
+                    with open(p, "rb") as f:
+                        os.fsync(f.fileno())
+                    hashed[p.relative_to(tmp).as_posix()] = {
+                        "size": p.stat().st_size,
+                        "sha256": _sha256(p) if self.checksums else None}
+            except OSError as e:
+                error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        try:
+            self._commit(record.step, tmp, record.path, error, trainer_state, describe,
+                         group=self.group, hashed=hashed)
+        except CheckpointError as e:
+            record.error = e
+        except Exception as e:  # noqa: BLE001 - a lost rank, a broken group: the save failed
+            record.error = CheckpointError(
+                f"saving checkpoint {record.path} failed in the background ({type(e).__name__}: "
+                f"{e}); its partial save {tmp} is never loaded, earlier checkpoints are intact. "
+                f"Relaunch: it resumes from the newest (trainer.resume=auto).")
+        record.durable_s = time.perf_counter() - t0
+
+    def wait(self) -> float:
+        """Wait for the background write in flight, if any (async saves); the seconds waited.
+        Raises its CheckpointError (every rank the same one) if it failed."""
+        thread, self._inflight = self._inflight, None
+        if thread is None:
+            return 0.0
+        record: SaveRecord = thread.record  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        if thread.is_alive():
+            with watchdog_phase("save"):
+                thread.join()
+        waited = time.perf_counter() - t0
+        self._done.append(record)
+        if record.error is not None:
+            raise record.error
+        return waited
+
+    def finished(self) -> List["SaveRecord"]:
+        """The saves that completed (or failed) since the last call, for the metrics; a write
+        found finished here is no longer waited for."""
+        thread = self._inflight
+        if thread is not None and not thread.is_alive() and \
+                thread.record.error is None:  # type: ignore[attr-defined]
+            self.wait()  # a failure is raised where every rank raises it: the next wait()
+        done, self._done = self._done, []
+        return done
+
+    def _commit(self, step: int, tmp: Path, final: Path, error: Optional[str],
+                trainer_state: Dict[str, Any], describe: Dict[str, Any], group: Any,
+                hashed: Dict[str, Dict[str, Any]]) -> None:
+        """After every rank wrote its files (``error``: this rank's failure, if any): rank 0
+        writes the run's files and the manifest (last), renames the directory, updates the
+        ``latest`` hint and prunes; or every rank raises the same CheckpointError and the
+        partial directory is removed. ``hashed``: this rank's files, already hashed."""
+        import torch.distributed as dist
+
+        fix: Optional[str] = None  # what to do, when it is not "free space" (agreed with error)
+        gathered = _gather((error, hashed), group)
+        error = next((e for e, _ in gathered if e), None)
         if error is None and self.lead:
             try:
                 (tmp / STATE).write_text(json.dumps(trainer_state, indent=1))
                 self._describe(tmp, describe)
                 fsync_tree(tmp)
-                write_manifest(tmp, self.checksums)
+                known = {rel: info for _, h in gathered for rel, info in h.items()}
+                write_manifest(tmp, self.checksums, known)
                 fsync_tree(tmp)
                 if final.exists():  # an older run's checkpoint of the same step
                     shutil.rmtree(final)
@@ -345,7 +518,7 @@ class CheckpointManager:
                 error, fix = f"rank 0: {e}", e.fix
             except Exception as e:  # noqa: BLE001
                 error = f"rank 0: {type(e).__name__}: {e}"
-        agreed = _agree((error, fix) if error is not None else None)
+        agreed = _agree((error, fix) if error is not None else None, group)
         if agreed is not None:
             error, fix = agreed
             if self.lead:
@@ -363,14 +536,14 @@ class CheckpointManager:
         if self.lead:
             try:  # only a hint (the scan decides): failing to update it loses nothing
                 latest_tmp = self.root / ".latest.tmp"
-                latest_tmp.write_text(name + "\n")
+                latest_tmp.write_text(final.name + "\n")
                 os.replace(latest_tmp, self.root / "latest")
             except OSError as e:
                 log.warning("checkpoint %s is complete but the 'latest' hint was not updated: %s",
                             final, e)
             self._prune()
-        dist.barrier()
-        return final
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier(group=group)
 
     def _refuse_nonfinite(self, engine, step: int, final: Path) -> None:
         """Every rank checks the weights it holds (its ZeRO partitions); if any rank finds a
@@ -395,7 +568,10 @@ class CheckpointManager:
         tok = describe.get("tokenizer")
         if tok:
             copy = ckpt / "tokenizer.model"
-            shutil.copyfile(tok, copy)
+            if "tokenizer_bytes" in describe:  # read when the save began (asynchronous save)
+                copy.write_bytes(describe["tokenizer_bytes"])
+            else:
+                shutil.copyfile(tok, copy)
             self._check_tokenizer(Path(tok), copy, describe.get("tokenizer_sha256"))
 
     def _check_tokenizer(self, source: Path, copy: Path, want: Optional[str]) -> None:
@@ -645,15 +821,20 @@ def _space_note(root: Path, previous: Optional[Path]) -> str:
     return note
 
 
-def _agree(error: Optional[str]) -> Optional[str]:
-    """All ranks learn whether any rank failed (and the first message)."""
+def _gather(value: Any, group: Any = None) -> List[Any]:
+    """Every rank's ``value`` (rank order), over ``group`` (None: the default group)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return error
-    errors: List[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [e for e in errors if e]
+        return [value]
+    values: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def _agree(error: Any, group: Any = None) -> Any:
+    """All ranks learn whether any rank failed (and the first message)."""
+    failed = [e for e in _gather(error, group) if e]
     return failed[0] if failed else None
 
 

@@ -109,6 +109,11 @@ class TrainerConfig:
     # measured at start-up (which reads low, so MFU high, if the machine is busy at that moment).
     peak_flops: Optional[float] = may_change(None)
     verify_checksums: bool = may_change(True)  # sha256 of checkpoint files on save and before resume
+    # Save in the background: the loop waits only while the state is copied to host memory;
+    # writes, fsync, checksums and the manifest go on while it trains (docs/reliability.md).
+    # The copy holds one more checkpoint's worth of this rank's state in host memory while the
+    # write is in flight: false where host memory is short (large CPU-offloaded states).
+    async_save: bool = may_change(True)
 
     def __post_init__(self) -> None:
         _check_positive("trainer", self, ["max_steps", "seq_len", "micro_batch", "log_every",

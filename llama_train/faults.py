@@ -16,6 +16,10 @@ Injection (tests and fire drills; nothing here is active unless asked for) is on
                                             1st file write (write=K: the K-th) stops half
                                             written with OSError(ENOSPC)
     save_error:step=4,rank=0,errno=EROFS,at=mkdir   rank 0 cannot create the checkpoint dir
+    slow_save:step=4[,rank=1],seconds=S     that rank's file writes of the save of step 4 start
+                                            S seconds late (a slow disk; with trainer.async_save
+                                            the loop trains on meanwhile); every rank without
+                                            rank=
     nan_weights:step=3[,rank=1]             the first optimizer step from step 3 on leaves every
                                             weight that rank updates NaN (as optim.lr=inf did);
                                             under ZeRO the rank's own partition only
@@ -47,7 +51,8 @@ from typing import Dict, Iterator, List, Optional, Set
 from llama_train.hooks import Hook
 
 ENV = "LLAMA_TRAIN_FAULTS"
-KINDS = ("nan", "loss_scale", "exit", "hang", "save_error", "nan_weights", "convert_error")
+KINDS = ("nan", "loss_scale", "exit", "hang", "save_error", "nan_weights", "convert_error",
+         "slow_save")
 
 
 class FaultSpecError(ValueError):
@@ -84,6 +89,13 @@ class NanWeightsFault:
 
 
 @dataclass
+class SlowSaveFault:
+    step: int
+    seconds: float
+    rank: Optional[int] = None  # None: every rank
+
+
+@dataclass
 class FaultPlan:
     nan_batches: Set[int] = field(default_factory=set)
     loss_scale: Dict[int, float] = field(default_factory=dict)
@@ -91,6 +103,7 @@ class FaultPlan:
     hangs: List[HangFault] = field(default_factory=list)
     save_errors: List[SaveFault] = field(default_factory=list)
     nan_weights: List[NanWeightsFault] = field(default_factory=list)
+    slow_saves: List[SlowSaveFault] = field(default_factory=list)
     convert_errno: Optional[int] = None  # convert_error: read by the conversion's child
 
     @classmethod
@@ -133,6 +146,9 @@ class FaultPlan:
             self.save_errors.append(SaveFault(int(kv["step"]), int(kv.get("rank", 0)),
                                               getattr(errno_mod, code), int(kv.get("write", 1)),
                                               at))
+        elif kind == "slow_save":
+            self.slow_saves.append(SlowSaveFault(int(kv["step"]), float(kv["seconds"]),
+                                                 int(kv["rank"]) if "rank" in kv else None))
         elif kind == "nan_weights":
             self.nan_weights.append(NanWeightsFault(int(kv["step"]), int(kv.get("rank", 0))))
         elif kind == "convert_error":
@@ -195,6 +211,9 @@ class FaultInjector(Hook):
     def checkpoint_writes(self, step: int) -> Iterator[None]:
         """During one checkpoint save: the planned ``torch.save`` call writes half its bytes and
         raises, like a disk that fills up in the middle of a file."""
+        for slow in self.plan.slow_saves:
+            if slow.step == step and slow.rank in (None, self.rank):
+                time.sleep(slow.seconds)
         f = self._save_fault(step, "write")
         if f is None:
             yield

@@ -39,6 +39,9 @@ class ResumeCheck:
     checkpoint: Path
     changes: Dict[str, List[Any]] = field(default_factory=dict)
     universal: bool = False
+    # seconds spent before the load: picking and verifying the checkpoint, converting it to
+    # the universal format (recorded in the ``resume`` event)
+    seconds: Dict[str, float] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------------

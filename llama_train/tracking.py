@@ -199,13 +199,11 @@ class Tracker:
     def _cut(self, lines: int, keep, keep_first_only: bool = False) -> None:
         rows = self._read()
         kept = [line for line, r in rows[:lines] if r is not None]
-        for line, r in rows[lines:]:
+        for line, r in rows[lines:]:  # a background save's event comes steps after its step
             if r is not None and keep(r):
                 kept.append(line)
                 if keep_first_only:
                     break
-            elif keep_first_only:
-                break
         self._write(kept)
 
     def _write(self, lines) -> None:

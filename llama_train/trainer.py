@@ -47,6 +47,10 @@ from llama_train.train_module import BatchResult, TrainModule
 
 log = logging.getLogger("llama_train")
 
+# How long a rank's background checkpoint write may wait for the other ranks' (their writes and
+# checksums, then rank 0's commit): a write is slower than any collective of the loop.
+_WRITE_TIMEOUT_S = 3600
+
 
 @dataclass
 class TrainState:
@@ -142,18 +146,26 @@ def start(pre, hooks: Sequence[Hook] = ()) -> "Trainer":
     stop_with_launcher()  # a killed launcher: SIGTERM, so this rank saves and stops
     eng.init_distributed(cfg.comm, rt.device_type)
     log.info("process group up: %d ranks over %s", rt.world_size, dist.get_backend())
+    # trainer.async_save: a simulated rank saves synchronously (its phases are measured alone)
+    async_save = t.async_save and not rt.simulated
     ckpts = CheckpointManager(t.output_dir, t.keep_last, t.verify_checksums, rt.rank,
-                              rt.world_size, hooks, lead=rt.is_main)
+                              rt.world_size, hooks, lead=rt.is_main, async_save=async_save,
+                              group=eng.checkpoint_group(max(cfg.comm.timeout_s, _WRITE_TIMEOUT_S))
+                              if async_save else None)
     run_files = (*(() if cfg.tracking.wandb.dir else ("wandb",)),  # default <output_dir>/wandb
                  *(() if cfg.tracking.tensorboard.dir else ("tensorboard",)))
+    t0 = time.perf_counter()
     resume_from = ckpts.resolve_resume(  # verified before unpickling
         t.resume, t.on_existing, cfg.tracking.metrics_file, run_files)
     resume = pre.resume_check(resume_from)
     if resume is not None:
+        resume.seconds["verify_s"] = time.perf_counter() - t0
         if rt.is_main:
             log_changes(resume)
         if resume.universal:
+            t0 = time.perf_counter()
             prepare_universal(resume.checkpoint, rt.rank)
+            resume.seconds["convert_s"] = time.perf_counter() - t0
     return Trainer(pre, ckpts, resume, hooks)
 
 
@@ -171,6 +183,7 @@ class Trainer:
         self.ckpts = ckpts
         self.resume_from = resume.checkpoint if resume is not None else None
         self.config_changes: Dict[str, List[Any]] = resume.changes if resume is not None else {}
+        self.resume_s: Dict[str, float] = dict(resume.seconds) if resume is not None else {}
         self.universal = resume is not None and resume.universal
         self.run_config = pre.run_config()
         torch.manual_seed(t.seed)
@@ -283,6 +296,7 @@ class Trainer:
                 if (s.step % t.save_every == 0 or s.step == t.max_steps or out.batch.stop_requested
                         or run_done):
                     self.last_good, last_saved = self.save(), s.step
+                self._log_saves()
                 for h in self.hooks:
                     h.on_step_end(s.step, metrics)
                 if out.batch.stop_requested:
@@ -424,16 +438,27 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save(self) -> Path:
-        t0, step = time.perf_counter(), self.state.step
+        """Save this step; with trainer.async_save the write goes on in the background (the
+        checkpoint is complete once ``ckpts.wait()`` returns). Returns the checkpoint's path."""
+        step = self.state.step
         simulated = ({"simulated": {"ranks": self.rt.world_size, "rank": self.rt.rank}}
                      if self.sim is not None else {})
         with self._phase("save"):
             path = self._save(step, simulated)
         if self.sim is not None:
             self.sim.saved(path)
-        self.tracker.event(step, "checkpoint", path=str(path),
-                           seconds=round(time.perf_counter() - t0, 3))
         return path
+
+    def _log_saves(self) -> None:
+        """A ``checkpoint`` event for each save that became durable: the seconds the loop was
+        blocked (``seconds``, as before asynchronous saves) and until it was durable."""
+        for r in self.ckpts.finished():
+            if r.error is None:
+                self.tracker.event(r.step, "checkpoint", path=str(r.path),
+                                   seconds=round(r.blocked_s, 3), blocked_s=round(r.blocked_s, 3),
+                                   waited_s=round(r.waited_s, 3),
+                                   durable_s=round(r.durable_s or 0.0, 3),
+                                   background=self.ckpts.async_save)
 
     def _save(self, step: int, extra: Dict[str, Any]) -> Path:
         return self.ckpts.save(
@@ -454,7 +479,9 @@ class Trainer:
         """Continue from ``resume_from`` (if any) and open the tracker's sinks."""
         ckpt = self.resume_from
         if ckpt is not None:
+            t0 = time.perf_counter()
             saved = self._restore(ckpt)
+            self.resume_s["load_s"] = time.perf_counter() - t0
             own = Path(self.cfg.trainer.output_dir, "checkpoints").resolve()
             forked = Path(ckpt).resolve().parent != own  # another run's checkpoint: a new run
             self.tracker.load_state_dict(saved["tracker"], str(ckpt) if forked else None)
@@ -471,7 +498,9 @@ class Trainer:
                            checkpoint=str(ckpt) if ckpt is not None else None)
         if ckpt is not None:
             changed = {"config_changes": self.config_changes} if self.config_changes else {}
-            self.tracker.event(self.state.step, "resume", checkpoint=str(ckpt), **changed)
+            seconds = {k: round(v, 3) for k, v in self.resume_s.items()}
+            self.tracker.event(self.state.step, "resume", checkpoint=str(ckpt), **seconds,
+                               **changed)
 
     def _restore(self, ckpt: Path) -> Dict[str, Any]:
         """Load ``ckpt`` into the engine, the train state, the data position and (same world
@@ -489,14 +518,18 @@ class Trainer:
 
     def _roll_back_to(self, ckpt: Path) -> None:
         """Recovery's way back: verify the checkpoint again, restore it, and cut the metrics
-        back to it (events stay on record)."""
+        back to it (events stay on record). A write in flight (it may be ``ckpt``) ends first."""
+        self.ckpts.wait()
         saved = self._restore(self.ckpts.resolve_resume(str(ckpt)))
         self.data_iter = iter(self.loader)
         self.tracker.rewind(saved["tracker"].get("metrics_lines"), self.state.step)
 
     # -- the end -------------------------------------------------------------------------------
     def finish(self) -> str:
-        """A text sample, the final run_info.json, then close."""
+        """A text sample, the final run_info.json, then close (the last save is durable first:
+        a write that failed stops the run here, exit 3)."""
+        self.ckpts.wait()
+        self._log_saves()
         sample = generate_sample(self.engine, self.cfg.sample, self.cfg.trainer.seed,
                                  self.prepared.tokenizer_path, self.rt.device, self.rt.is_main)
         simulation = self._simulation_report()
@@ -520,8 +553,12 @@ class Trainer:
         return report
 
     def close(self) -> None:
-        self.tracker.finish()
-        self.loader.close()
+        try:
+            self.ckpts.wait()  # SIGTERM's save, the end of the run: durable before the exit
+            self._log_saves()
+        finally:
+            self.tracker.finish()
+            self.loader.close()
         if dist.is_initialized():
             dist.barrier()  # the group itself is destroyed in main(), after every multirun job
 

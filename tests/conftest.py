@@ -46,6 +46,16 @@ def one_rank():
         yield
 
 
+@pytest.fixture
+def faults(monkeypatch):
+    """``faults("kind:k=v;...")`` sets LLAMA_TRAIN_FAULTS for the in-process runs of one test
+    (llama_train.faults); unset before and after."""
+    def set_faults(spec: str) -> None:
+        monkeypatch.setenv("LLAMA_TRAIN_FAULTS", spec)
+    monkeypatch.delenv("LLAMA_TRAIN_FAULTS", raising=False)
+    return set_faults
+
+
 @pytest.fixture(scope="session")
 def zero3_run(tmp_path_factory):
     """ZeRO-3 on 2 ranks through the launcher (helpers.ZERO3): 6 steps, checkpoints at 2, 4

@@ -285,3 +285,22 @@ def test_startup_bench_reports_each_variant_and_phase(tmp_path, capsys):
     assert sum(p["median_s"] for p in ours) == pytest.approx(total, abs=0.05)
     floor = [p["phase"] for p in r["phases"]["1"]["floor"]]
     assert floor[-1] == "step 1 (forward, backward, AdamW step)"
+
+
+def test_checkpoint_bench_reports_blocked_and_durable_seconds(tmp_path, capsys):
+    """`llama-bench checkpoint`, one launch of 2 ranks (the tiny data, already prepared): each
+    save's blocked and durable seconds, the medians, and the command, from real records."""
+    from llama_train.bench import checkpoint as ckpt_bench
+
+    out = tmp_path / "bench.json"
+    ckpt_bench.main(["--dim", "64", "--n-layers", "2", "--n-heads", "4", "--rounds", "1",
+                     "--steps", "3", "--save-every", "1", "--modes", "async", "--no-warmup",
+                     "--no-resume", "--override", "model.vocab_size=2048",
+                     "--workdir", str(tmp_path / "runs"), "--json", str(out)])
+    table = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    run = r["runs"][0]
+    assert run["mode"] == "async" and len(run["blocked_s"]) == 2  # steps 1 and 2; 3 is the end
+    assert all(0 < b <= d for b, d in zip(run["blocked_s"], run["durable_s"]))
+    assert r["summary"]["async"]["blocked_s_per_save"] == pytest.approx(sum(run["blocked_s"]) / 2)
+    assert r["command"] in table and "llama-bench checkpoint --dim 64" in table

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from helpers import (REPO, TINY, assert_hf_logits_match, copy_at_step, export_hf, launcher_cmd,
-                     losses, losses_so_far, metrics, one_process, spawn, tail, train, wait_for)
-from llama_train.checkpoint import find_latest, write_manifest
+                     losses, losses_so_far, metrics, one_process, resumed_from, spawn, tail, train,
+                     wait_for)
+from llama_train.checkpoint import find_latest, load_consolidated, verify, write_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +25,8 @@ pytestmark = pytest.mark.slow
 # checkpoint are in the in-process tier (tests/test_loop.py), W&B's run continuity in
 # tests/test_tracking.py; kill -9 of the whole job is tests/test_reliability.py's drill (three
 # kills, in steps and in saves, bit-identical losses and weights). Here: what needs the launcher.
+# Saves are asynchronous (trainer.async_save, the default) in every run here: the resharding
+# and export below read checkpoints written in the background.
 # 24 steps: long enough (a few seconds) that a signal or a kill lands mid-run; every checkpoint
 # kept, so that a copy of the uninterrupted run at step 12 can be resumed
 STEPS = ["trainer.max_steps=24", "trainer.save_every=4", "trainer.keep_last=6",
@@ -133,3 +136,55 @@ def test_a_simulated_zero2_rank_holds_what_the_real_rank_holds(uninterrupted, ru
     step4 = ("checkpoints", "step_00000004")
     assert fp32_partitions(out.joinpath(*step4), 1) == \
         fp32_partitions(uninterrupted.joinpath(*step4), 1)
+
+
+def test_background_writes_killed_failing_and_finished_exactly(uninterrupted, runs):
+    """trainer.async_save under ZeRO-2, three launches of one run:
+    1. the write of step 8 is slow (a slow disk) and the loop trains on past it; kill -9 of the
+       whole job while it is in flight: step 8 never counts, step 4 is the newest;
+    2. the relaunch resumes from step 4; the write of step 12 is slow, so the save of step 16
+       waits for it (one write in flight) and says so; the write of step 16 fails on rank 1
+       (disk full): the run stops at its next save, step 20, with exit 3 naming step 16;
+    3. the relaunch with keep_last=2 resumes from step 12 and ends as the uninterrupted run
+       did, bit for bit, keeping the two newest complete checkpoints."""
+    out = runs / "background"
+    out.mkdir()
+    ckpts = out / "checkpoints"
+    cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", *STEPS])
+    log1 = runs / "background-1-killed.log"
+    with spawn(cmd, log1, {"LLAMA_TRAIN_FAULTS": "slow_save:step=8,seconds=300"}) as proc:
+        assert wait_for(lambda: max(losses_so_far(out), default=0) >= 10, timeout=240,
+                        interval=0.05), tail(log1)
+        assert (ckpts / ".tmp-step_00000008").is_dir(), tail(log1)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert find_latest(ckpts)[0] == ckpts / "step_00000004"
+    assert not (ckpts / "step_00000008").exists()
+
+    log2 = runs / "background-2-disk-full.log"
+    faults = "slow_save:step=12,seconds=4;save_error:step=16,rank=1,errno=ENOSPC"
+    with spawn(launcher_cmd([*TINY, f"trainer.output_dir={out}", *STEPS]), log2,
+               {"LLAMA_TRAIN_FAULTS": faults}) as proc:
+        rc = proc.wait(timeout=300)
+    text = log2.read_text()
+    assert rc == 3, tail(log2)
+    assert resumed_from(out)[-1] == str(ckpts / "step_00000004")
+    assert "the save of step 16 waited" in text and "background write of step_00000012" in text
+    assert f"saving checkpoint {ckpts / 'step_00000016'} failed (rank 1: OSError: [Errno 28] " \
+           f"No space left on device" in text, tail(log2)
+    assert max(losses_so_far(out)) == 20  # stopped within one save interval
+    assert find_latest(ckpts)[0] == ckpts / "step_00000012"
+    assert not list(ckpts.glob(".tmp-step_*"))
+    saves = {r["step"]: r for r in metrics(out) if r.get("event") == "checkpoint"}
+    assert saves[12]["background"] and saves[12]["durable_s"] >= 4.0 > saves[12]["blocked_s"]
+    assert 16 not in saves
+
+    train(out, [*STEPS, "trainer.keep_last=2"], log_name="3-finish.log")
+    assert resumed_from(out)[-1] == str(ckpts / "step_00000012")
+    assert losses(out) == losses(uninterrupted)
+    kept = sorted(p.name for p in ckpts.iterdir() if p.name.startswith((".tmp", "step_")))
+    assert kept == ["step_00000020", "step_00000024"]
+    assert all(verify(ckpts / k) is None for k in kept)
+    _, a, _ = load_consolidated(str(ckpts))
+    _, b, _ = load_consolidated(str(uninterrupted / "checkpoints"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -24,14 +24,6 @@ from llama_train.train import train
 pytestmark = pytest.mark.usefixtures("one_rank")  # conftest.py: a world of one
 
 
-@pytest.fixture
-def faults(monkeypatch):
-    def set_faults(spec: str) -> None:
-        monkeypatch.setenv("LLAMA_TRAIN_FAULTS", spec)
-    monkeypatch.delenv("LLAMA_TRAIN_FAULTS", raising=False)
-    return set_faults
-
-
 class Recorder(Hook):
     def __init__(self):
         self.calls = []

@@ -12,12 +12,16 @@ sum: 1e-6.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 
 import pytest
 
-from helpers import (ZERO3, assert_hf_logits_match, assert_losses_close, copy_at_step, export_hf,
-                     losses, metrics, one_process, resumed_from, tail, train)
+from helpers import (TINY, ZERO3, assert_hf_logits_match, assert_losses_close, copy_at_step,
+                     export_hf, launcher_cmd, losses, losses_so_far, metrics, one_process,
+                     rank_pid, resumed_from, spawn, tail, train, wait_for)
+from llama_train.checkpoint import find_latest
 
 pytestmark = pytest.mark.slow
 
@@ -161,3 +165,29 @@ def test_a_simulated_rank_of_four_holds_what_the_real_rank_holds(runs):
     step2 = ("checkpoints", "step_00000002")
     assert fp32_partitions(sim.joinpath(*step2), 3) == fp32_partitions(real.joinpath(*step2), 3) \
         == zero3_partitions(compose_cfg(["model=tiny"]), 4)
+
+
+def test_a_rank_killed_during_a_background_write(reference, half, runs):
+    """trainer.async_save under ZeRO-3: the write of step 4 is slow (a slow disk) and the loop
+    trains on past it; rank 1 is SIGKILLed while that write is in flight. The job stops, step 4
+    never counts, and the relaunch resumes from step 2 bit-identically to the uninterrupted
+    run."""
+    out = runs / "killed_in_write"
+    shutil.copytree(half, out)  # the run as it stood after its checkpoint of step 2
+    ckpts = out / "checkpoints"
+    log = runs / "killed_in_write.log"
+    with spawn(launcher_cmd([*TINY, f"trainer.output_dir={out}", *Z3]), log,
+               {"LLAMA_TRAIN_FAULTS": "slow_save:step=4,seconds=300"}) as proc:
+        assert wait_for(lambda: max(losses_so_far(out), default=0) >= 5, timeout=240,
+                        interval=0.05), tail(log)
+        assert (ckpts / ".tmp-step_00000004").is_dir(), tail(log)
+        pid = rank_pid(proc.pid, 1)
+        assert pid is not None, tail(log)
+        os.kill(pid, signal.SIGKILL)
+        rc = proc.wait(timeout=120)
+    assert rc != 0, tail(log)
+    assert find_latest(ckpts)[0] == ckpts / "step_00000002"
+    assert not (ckpts / "step_00000004").exists()
+    train(out, Z3, log_name="relaunch.log")
+    assert resumed_from(out)[-1] == str(ckpts / "step_00000002")
+    assert losses(out) == losses(reference)

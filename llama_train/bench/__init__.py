@@ -12,6 +12,7 @@ BENCHES = {
     "memory": "llama_train.bench.memory",
     "startup": "llama_train.bench.startup",
     "docmask": "llama_train.bench.docmask",
+    "checkpoint": "llama_train.bench.checkpoint",
 }
 
 

@@ -6,7 +6,7 @@ loop only sees an engine with ``forward``/``backward``/``step``. One module per 
 
     runtime.py        Runtime, detect_runtime: where this process runs (no DeepSpeed)
     distributed.py    init_distributed / shutdown_distributed: the process group, DeepSpeed's
-                      comm backend, the patches around its start
+                      comm backend, the patches around its start; checkpoint_group
     ds_config.py      resolve_precision, build_ds_config: our sub-configs -> DeepSpeed's JSON
     build.py          build_model (ZeRO-3 inside deepspeed.zero.Init), load_full_state,
                       initialize (the one call to deepspeed.initialize)
@@ -21,8 +21,8 @@ for the modules that still import them from the engine.
 
 from llama_train.engine.build import (build_model, initialize, load_full_state, preload_deepspeed,
                                       warm_up)
-from llama_train.engine.distributed import (STARTUP_TIMEOUT, init_distributed, leads,
-                                            load_deepspeed, shm_comm_op_loaded,
+from llama_train.engine.distributed import (STARTUP_TIMEOUT, checkpoint_group, init_distributed,
+                                            leads, load_deepspeed, shm_comm_op_loaded,
                                             shutdown_distributed, simulated)
 from llama_train.engine.ds_checkpoint import (RESTRICTED_LOAD_ENV, consolidate_fp32,
                                               convert_to_universal, restricted_loads)
@@ -34,7 +34,7 @@ from llama_train.flops import PeakFlops, measure_matmul_flops, memory_stats, pea
 __all__ = [
     "Runtime", "detect_runtime", "deepspeed_version",
     "init_distributed", "shutdown_distributed", "load_deepspeed", "shm_comm_op_loaded",
-    "simulated", "leads",
+    "simulated", "leads", "checkpoint_group",
     "STARTUP_TIMEOUT",
     "resolve_precision", "build_ds_config",
     "build_model", "load_full_state", "initialize", "preload_deepspeed", "warm_up",

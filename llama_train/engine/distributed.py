@@ -91,6 +91,18 @@ def _start_simulated(comm: CommConfig, device_type: str) -> str:
     return dist.get_backend()
 
 
+def checkpoint_group(timeout_s: float):
+    """A gloo group of every rank for background checkpoint writes: their agreement on a save
+    runs while the loop's collectives use the default group (NCCL or gloo), and a group must not
+    be used by two threads at once. A collective call on all ranks, like the group's start.
+    None in a world of one and on a simulated rank (which saves synchronously)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1 or simulated():
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=int(timeout_s)))
+
+
 def simulated() -> bool:
     """Whether the process group is a simulated rank's (``comm.simulate_ranks``)."""
     import torch.distributed as dist

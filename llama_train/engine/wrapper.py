@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -37,6 +38,8 @@ class Engine:
     def __init__(self, ds, zero_stage: int):
         self.ds = ds  # DeepSpeed's engine: used by this package only
         self.zero_stage = zero_stage
+        # host buffers of asynchronous saves, reused save after save (see save(snapshot=))
+        self._staging: Dict[Tuple[str, int], torch.UntypedStorage] = {}
 
     # -- the step --------------------------------------------------------------------------
     @property
@@ -87,13 +90,27 @@ class Engine:
         self.ds.destroy()
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save(self, path: str, tag: str) -> None:
+    def save(self, path: str, tag: str,
+             snapshot: Optional[List[Tuple[str, Any]]] = None) -> None:
         """DeepSpeed's shards of every rank. DeepSpeed's save has barriers between its writes: a
         write that raised on one rank would leave the ranks in different collectives. So the
         first I/O error is held until DeepSpeed returns (nothing is written after it), then
-        raised on this rank; the caller makes the ranks agree."""
+        raised on this rank; the caller makes the ranks agree.
+
+        ``snapshot``: write no shard; append ``(file, state)`` for each instead, the state
+        copied to host memory (:func:`host_copy`), for a background writer to ``torch.save``.
+        DeepSpeed still runs its collectives and creates its directories here. The host
+        buffers are kept and reused by the next snapshot (a fresh allocation costs a page fault
+        per page, more than the copy itself): the caller must not take a snapshot while the
+        previous one is still being written."""
         held: List[BaseException] = []
-        with watchdog.phase("save"), _hold_io_errors(self.ds, held):
+
+        def take(state_dict, path) -> None:
+            staging = _Staging(self._staging, os.path.basename(str(path)))
+            snapshot.append((str(path), host_copy(state_dict, staging)))
+
+        with watchdog.phase("save"), \
+                _hold_io_errors(self.ds, held, take if snapshot is not None else None):
             self.ds.save_checkpoint(path, tag=tag, save_latest=False,
                                     client_state=universal_info())
         if held:
@@ -228,11 +245,12 @@ def _optimizer_step_skipped(optimizer, skip: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _hold_io_errors(ds, held: List[BaseException]) -> Iterator[None]:
+def _hold_io_errors(ds, held: List[BaseException],
+                    save: Optional[Callable[[Any, str], None]] = None) -> Iterator[None]:
     """Around ``save_checkpoint``: DeepSpeed's file writes (its checkpoint engine's
     ``save``/``makedirs`` and the copy of its recovery scripts) record their exception in
     ``held`` instead of raising, and write nothing after the first one, while DeepSpeed's
-    barriers still run on every rank."""
+    barriers still run on every rank. ``save``: called instead of the engine's ``save``."""
     ce = getattr(ds, "checkpoint_engine", None)
     targets = [(ce, "save"), (ce, "makedirs"), (ds, "_copy_recovery_script")]
     patched = []
@@ -240,6 +258,8 @@ def _hold_io_errors(ds, held: List[BaseException]) -> Iterator[None]:
         fn = getattr(obj, name, None) if obj is not None else None
         if fn is None or name in vars(obj):
             continue
+        if name == "save" and save is not None:
+            fn = save
 
         def guarded(*args, _fn=fn, **kwargs):
             if held:
@@ -263,3 +283,69 @@ def unwrap(engine_or_model) -> torch.nn.Module:
     """The plain model (no engine or compile prefixes ever reach a checkpoint)."""
     m = getattr(engine_or_model, "module", engine_or_model)
     return getattr(m, "_orig_mod", m)
+
+
+class _Staging:
+    """Host buffers for one file's snapshot, by order of appearance: the n-th storage of file F
+    is copied into the buffer it used last time, if it has the same size."""
+
+    def __init__(self, pool: Dict[Tuple[str, int], torch.UntypedStorage], file: str):
+        self.pool, self.file, self.n = pool, file, 0
+
+    def copy(self, src: torch.UntypedStorage) -> torch.UntypedStorage:
+        key = (self.file, self.n)
+        self.n += 1
+        dst = self.pool.get(key)
+        if dst is None or dst.nbytes() != src.nbytes():
+            pin = src.device.type == "cuda"  # pinned: a fast copy from the GPU
+            dst = torch.empty(src.nbytes(), dtype=torch.uint8,
+                              pin_memory=pin).untyped_storage()
+            self.pool[key] = dst
+        dst.copy_(src)
+        return dst
+
+
+def host_copy(obj: Any, staging: Optional[_Staging] = None) -> Any:
+    """``obj`` with every tensor copied to host memory, for a background ``torch.save`` while
+    training goes on changing the originals. Each storage is copied once, whole, and its views
+    keep their offsets and strides; an object met twice is copied once (tensors that shared a
+    storage, or a tuple two param groups share, still do): the file written is the file a
+    ``torch.save`` of the original would have written, byte for byte. Containers are rebuilt;
+    other leaves (ints, strings, configs) are deep-copied."""
+    return _host_copy(obj, {}, {}, staging)
+
+
+def _host_copy(obj: Any, seen: Dict[int, Any], storages: Dict[Any, Any],
+               staging: Optional[_Staging]) -> Any:
+    import copy
+
+    if id(obj) in seen:
+        return seen[id(obj)]
+    if torch.is_tensor(obj):
+        storage = obj.untyped_storage()
+        key = (storage.device, storage.data_ptr(), storage.nbytes())
+        if key not in storages:  # on the host: clone (.cpu() would return the same storage)
+            storages[key] = (staging.copy(storage) if staging is not None else
+                             storage.clone() if storage.device.type == "cpu" else storage.cpu())
+        out = torch.empty(0, dtype=obj.dtype).set_(storages[key], obj.storage_offset(),
+                                                   obj.size(), obj.stride())
+        if isinstance(obj, torch.nn.Parameter):
+            out = torch.nn.Parameter(out, requires_grad=obj.requires_grad)
+        else:
+            out.requires_grad_(obj.requires_grad)
+    elif isinstance(obj, dict):
+        out = copy.copy(obj)  # the same mapping type (OrderedDict, ...), its keys in order
+        seen[id(obj)] = out
+        for k, v in obj.items():
+            out[k] = _host_copy(v, seen, storages, staging)
+    elif isinstance(obj, list):
+        out = []
+        seen[id(obj)] = out
+        out.extend(_host_copy(v, seen, storages, staging) for v in obj)
+    elif isinstance(obj, tuple):
+        items = [_host_copy(v, seen, storages, staging) for v in obj]
+        out = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    else:
+        out = copy.deepcopy(obj, seen)  # its memo is keyed by id as well
+    seen[id(obj)] = out
+    return out
