@@ -326,7 +326,7 @@ class SaveRecord:
     blocked_s: float
     waited_s: float  # of blocked_s: waiting for the previous save's background write
     durable_s: Optional[float] = None
-    error: Optional[CheckpointError] = None
+    error: Optional[BaseException] = None  # CheckpointError; or a lost rank's collective error
 
 
 class CheckpointManager:
@@ -454,13 +454,10 @@ class CheckpointManager:
         try:
             self._commit(record.step, tmp, record.path, error, trainer_state, describe,
                          group=self.group, hashed=hashed)
-        except CheckpointError as e:
+        except Exception as e:  # noqa: BLE001 - raised by wait(), on the loop's thread
+            # a CheckpointError; or a lost rank (its collective failed): raised as it is, so
+            # the entry point names the rank that is gone, as for the loop's own collectives
             record.error = e
-        except Exception as e:  # noqa: BLE001 - a lost rank, a broken group: the save failed
-            record.error = CheckpointError(
-                f"saving checkpoint {record.path} failed in the background ({type(e).__name__}: "
-                f"{e}); its partial save {tmp} is never loaded, earlier checkpoints are intact. "
-                f"Relaunch: it resumes from the newest (trainer.resume=auto).")
         record.durable_s = time.perf_counter() - t0
 
     def wait(self) -> float:
@@ -477,6 +474,10 @@ class CheckpointManager:
         waited = time.perf_counter() - t0
         self._done.append(record)
         if record.error is not None:
+            if not isinstance(record.error, CheckpointError):
+                log.error("the background write of checkpoint %s did not finish (%s: %s); its "
+                          "partial save is never loaded, earlier checkpoints are intact",
+                          record.path, type(record.error).__name__, record.error)
             raise record.error
         return waited
 

@@ -4,7 +4,8 @@
   trainer's own calls do (``watchdog.note(step=..., phase="train")``).
 * ``HANG_WORKER_STOP=<phase>:<rank>:<step>[:<signal>]`` makes that rank stop itself (SIGSTOP;
   ``kill``: SIGKILL) inside that phase of that step: ``eval`` as the evaluation of the step
-  starts, ``save`` half-way through the checkpoint of the step (after DeepSpeed's first file),
+  starts, ``save`` half-way through the checkpoint of the step (after DeepSpeed's first file,
+  or its first copy to host memory when the save is asynchronous, the default),
   ``load`` half-way through resuming the checkpoint of that step (after the first file read).
 
 Started by the real ``deepspeed`` launcher with Hydra overrides, like ``llama_train.train``.
@@ -48,6 +49,7 @@ def _stop_here(phase: str) -> None:
 def _instrument() -> None:
     import torch
 
+    from llama_train.engine import wrapper
     from llama_train.trainer import Trainer
 
     evaluate = Trainer.evaluate
@@ -59,6 +61,9 @@ def _instrument() -> None:
 
     Trainer.evaluate = evaluate_noted
     torch.save = _then_stop(torch.save, "save")  # after DeepSpeed's first file of a save
+    # trainer.async_save: the loop's part of a save copies DeepSpeed's states to host memory
+    # (the files are written by a thread, after the loop has left the save)
+    wrapper.host_copy = _then_stop(wrapper.host_copy, "save")
     torch.load = _then_stop(torch.load, "load")  # after the first file read of a resume
 
 
