@@ -349,7 +349,8 @@ class CheckpointManager:
         self.lead = rank == 0 if lead is None else lead
         self.async_save = async_save
         self.group = group  # the ranks' agreement in a background write (not the loop's group)
-        self._inflight: Optional[threading.Thread] = None  # the write in flight (async_save)
+        # the write in flight (async_save): its thread and the record it completes
+        self._inflight: Optional[Tuple[threading.Thread, SaveRecord]] = None
         self._done: List[SaveRecord] = []  # saves finished since finished() was last asked
 
     # -- save --------------------------------------------------------------------------------
@@ -363,7 +364,7 @@ class CheckpointManager:
         complete only when :meth:`wait` returns, and a failed write raises there, or at the next
         save, which waits for the write in flight (at most one)."""
         t0 = time.perf_counter()
-        previous = self._inflight.record.path.name if self._inflight is not None else None
+        previous = self._inflight[1].path.name if self._inflight is not None else None
         waited = self.wait()  # at most one write in flight
         if waited >= 0.01 and self.lead:
             log.info("the save of step %d waited %.1fs for the background write of %s (the "
@@ -384,27 +385,9 @@ class CheckpointManager:
             error = f"rank 0 could not create {tmp}: {e}"
         error = _agree(error)
         if self.async_save and error is None:
-            snapshot: List[Tuple[str, Any]] = []
-            try:  # DeepSpeed's collectives and directories here; its files' states copied
-                engine.save(str(tmp), DS_TAG, snapshot=snapshot)
-                rank_state = host_copy(rank_state)
-                # the rest as it is now, too: the loop moves on, a file may change meanwhile
-                trainer_state = json.loads(json.dumps(trainer_state))
-                if self.lead and describe.get("tokenizer"):
-                    describe = {**describe,
-                                "tokenizer_bytes": Path(describe["tokenizer"]).read_bytes()}
-            except Exception as e:  # noqa: BLE001 - a directory DeepSpeed could not create
-                error = f"rank {self.rank}: {type(e).__name__}: {e}"
-            error = _agree(error)
+            error = self._start_background(engine, SaveRecord(step, final, 0.0, waited), t0,
+                                           tmp, trainer_state, rank_state, describe)
             if error is None:
-                record = SaveRecord(step, final, blocked_s=time.perf_counter() - t0,
-                                    waited_s=waited)
-                self._inflight = threading.Thread(
-                    target=self._write_in_background, name=f"checkpoint-writer-{name}",
-                    args=(record, t0, tmp, snapshot, rank_state, trainer_state, describe),
-                    daemon=True)
-                self._inflight.record = record  # type: ignore[attr-defined]
-                self._inflight.start()
                 return final
         if error is None:
             error = self._write_rank_files(step, tmp, rank_state, engine=engine)
@@ -412,6 +395,35 @@ class CheckpointManager:
         self._done.append(SaveRecord(step, final, blocked_s=time.perf_counter() - t0,
                                      waited_s=waited, durable_s=time.perf_counter() - t0))
         return final
+
+    def _start_background(self, engine, record: "SaveRecord", t0: float, tmp: Path,
+                          trainer_state: Dict[str, Any], rank_state: Dict[str, Any],
+                          describe: Dict[str, Any]) -> Optional[str]:
+        """An asynchronous save's part in the loop: DeepSpeed's collectives and directories,
+        its files' states copied to host memory, the rest taken as it is now (the loop moves
+        on, a file may change meanwhile); then the writer thread. None, or what failed (agreed
+        by every rank)."""
+        snapshot: List[Tuple[str, Any]] = []
+        error = None
+        try:
+            engine.save(str(tmp), DS_TAG, snapshot=snapshot)
+            rank_state = host_copy(rank_state)
+            trainer_state = json.loads(json.dumps(trainer_state))
+            if self.lead and describe.get("tokenizer"):
+                describe = {**describe,
+                            "tokenizer_bytes": Path(describe["tokenizer"]).read_bytes()}
+        except Exception as e:  # noqa: BLE001 - a directory DeepSpeed could not create
+            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        error = _agree(error)
+        if error is None:
+            record.blocked_s = time.perf_counter() - t0
+            thread = threading.Thread(
+                target=self._write_in_background, name=f"checkpoint-writer-{tmp.name}",
+                args=(record, t0, tmp, snapshot, rank_state, trainer_state, describe),
+                daemon=True)
+            self._inflight = (thread, record)
+            thread.start()
+        return error
 
     def _write_rank_files(self, step: int, tmp: Path, rank_state: Dict[str, Any], engine=None,
                           snapshot: Sequence[Tuple[str, Any]] = ()) -> Optional[str]:
@@ -463,10 +475,9 @@ class CheckpointManager:
     def wait(self) -> float:
         """Wait for the background write in flight, if any (async saves); the seconds waited.
         Raises its CheckpointError (every rank the same one) if it failed."""
-        thread, self._inflight = self._inflight, None
-        if thread is None:
+        if self._inflight is None:
             return 0.0
-        record: SaveRecord = thread.record  # type: ignore[attr-defined]
+        (thread, record), self._inflight = self._inflight, None
         t0 = time.perf_counter()
         if thread.is_alive():
             with watchdog_phase("save"):
@@ -484,9 +495,8 @@ class CheckpointManager:
     def finished(self) -> List["SaveRecord"]:
         """The saves that completed (or failed) since the last call, for the metrics; a write
         found finished here is no longer waited for."""
-        thread = self._inflight
-        if thread is not None and not thread.is_alive() and \
-                thread.record.error is None:  # type: ignore[attr-defined]
+        if self._inflight is not None and not self._inflight[0].is_alive() and \
+                self._inflight[1].error is None:
             self.wait()  # a failure is raised where every rank raises it: the next wait()
         done, self._done = self._done, []
         return done
