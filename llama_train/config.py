@@ -106,7 +106,7 @@ class TrainerConfig:
     device: str = may_change("auto")  # auto | cpu | cuda
     compile: bool = may_change(False)  # torch.compile each transformer block
     # Peak FLOP/s per device for MFU. None: the datasheet bf16 figure on known GPUs, else a matmul
-    # measured at start-up (which reads low, so MFU high, if the machine is busy at that moment).
+    # measured once per machine and thread count, cached in $LLAMA_TRAIN_CACHE/peak_flops.json.
     peak_flops: Optional[float] = may_change(None)
     verify_checksums: bool = may_change(True)  # sha256 of checkpoint files on save and before resume
     # Save in the background: the loop waits only while the state is copied to host memory;

@@ -109,10 +109,53 @@ def stop_with_launcher() -> Optional[int]:
     _launcher_pid = ppid
     if os.getppid() != ppid:  # it died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
+    _watch_runner(ppid)
     return ppid
 
 
-def launcher_gone() -> bool:
-    """Whether the launcher :func:`stop_with_launcher` found has died (this rank was
-    re-parented)."""
-    return _launcher_pid is not None and os.getppid() != _launcher_pid
+_runner_pid: Optional[int] = None
+_runner_lost = False
+
+
+def _parent_of(pid: int) -> Optional[int]:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2:].split()[1])  # the field after the state
+
+
+def _watch_runner(launcher: int, every_s: float = 1.0) -> None:
+    """The ``deepspeed`` command (DeepSpeed's runner) starts the launcher and waits for it; on a
+    single node it dies of a plain SIGTERM (``kill <pid>``, a scheduler stopping the command it
+    started) without passing it on, and the launcher and its ranks would train on headless. A
+    daemon thread sees the launcher re-parented (its parent gone) and sends this rank SIGTERM:
+    the step ends, the ranks save and exit as on any SIGTERM."""
+    import threading
+    import time
+
+    global _runner_pid
+    _runner_pid = _parent_of(launcher)
+    if _runner_pid is None or _runner_pid <= 1:
+        return
+
+    def watch() -> None:
+        global _runner_lost
+        while True:
+            time.sleep(every_s)
+            if _parent_of(launcher) in (None, _runner_pid):
+                continue  # still there (None: the launcher itself is gone, PDEATHSIG's case)
+            _runner_lost = True
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+    threading.Thread(target=watch, name="runner-watch", daemon=True).start()
+
+
+def launcher_gone() -> Optional[str]:
+    """Which of the processes that started this rank has died: "launcher" (this rank was
+    re-parented), "runner" (the ``deepspeed`` command above the launcher), or None."""
+    if _launcher_pid is not None and os.getppid() != _launcher_pid:
+        return "launcher"
+    return "runner" if _runner_lost else None

@@ -281,8 +281,8 @@ class Tracker:
                    **{f"{k}/{kk}": vv for k, v in metrics.items() if isinstance(v, dict)
                       for kk, vv in v.items()}}
         if self._wandb is not None:
-            self._wandb.log({"step": step, **{k: v for k, v in metrics.items()
-                                              if isinstance(v, (int, float))}})
+            self._to_wandb({"step": step, **{k: v for k, v in metrics.items()
+                                             if isinstance(v, (int, float))}})
         if self._tb is not None:
             for k, v in metrics.items():
                 x = _number(v)
@@ -294,9 +294,9 @@ class Tracker:
             return
         self._append(EventRecord.new(step, name, fields, time.time()))
         if self._wandb is not None:  # a counter per event kind, its numeric fields beside it
-            self._wandb.log({"step": step, f"event/{name}": 1,
-                             **{f"event/{name}/{k}": v for k, v in fields.items()
-                                if isinstance(v, (int, float)) and not isinstance(v, bool)}})
+            self._to_wandb({"step": step, f"event/{name}": 1,
+                            **{f"event/{name}/{k}": v for k, v in fields.items()
+                               if isinstance(v, (int, float)) and not isinstance(v, bool)}})
         if self._tb is not None:
             self._tb_event(step, name, fields, None)
             if name == "checkpoint":
@@ -337,10 +337,37 @@ class Tracker:
             self._tb = None
         if self._wandb is not None:
             run, self._wandb = self._wandb, None
-            run.finish()
+            try:
+                run.finish()
+            except _service_errors() as e:
+                self._service_lost(e)
+                return
             hint = self.sync_hint()
             if hint:
                 log.info(hint)
+
+    def _to_wandb(self, data: Dict[str, Any]) -> None:
+        try:
+            self._wandb.log(data)
+        except _service_errors() as e:
+            self._wandb = None
+            self._service_lost(e)
+
+    def _service_lost(self, e: BaseException) -> None:
+        """W&B's service process died under us. The deepspeed launcher, stopping a job on
+        Ctrl-C or SIGTERM, sends SIGTERM to every process under each rank, W&B's service too,
+        while the rank itself finishes its step and saves. Training must not fail for it:
+        one line, and W&B's own exit hook is disarmed so it prints no traceback."""
+        import wandb
+
+        try:
+            wandb.teardown()  # unregisters W&B's exit hook first, then fails to reach the service
+        except _service_errors():
+            pass
+        where = self.sync_hint() or (f"its local files in {self.wandb_dir} can be uploaded "
+                                     f"with `wandb sync`" if self.wandb_dir else "")
+        log.warning("wandb: its service process is gone (%s: %s): W&B logging stops here; "
+                    "metrics.jsonl keeps every step. %s", type(e).__name__, e, where)
 
     def _at_exit(self) -> None:
         """The process ends without finish() (an error): keep what TensorBoard buffered and
@@ -352,6 +379,14 @@ class Tracker:
             hint = self.sync_hint()
             if hint:
                 log.warning("the run stopped before its end; what it logged so far: %s", hint)
+
+
+def _service_errors() -> tuple:
+    """What W&B raises when its service process is gone: the broken socket (an OSError such as
+    ConnectionResetError), or one of its own errors."""
+    import wandb.errors
+
+    return (OSError, wandb.errors.Error)
 
 
 def _after_newest_event_file(d: Path) -> None:

@@ -211,7 +211,6 @@ class Trainer:
                                  enabled=not rt.simulated)
         self.fpt = flops_per_token(self.model_args, t.seq_len)
         self.peak = PeakFlops(rt.device, precision, rt.world_size, t.peak_flops)
-        self._said_mfu = False
         self.losses: Dict[int, float] = {}
         self.val_loss: Optional[float] = None
         # data.val_fraction=0: no validation split, so no evaluation (said once at start)
@@ -300,11 +299,16 @@ class Trainer:
                 for h in self.hooks:
                     h.on_step_end(s.step, metrics)
                 if out.batch.stop_requested:
-                    if launcher_gone():
+                    gone = launcher_gone()
+                    if gone == "launcher":
                         log.error("the deepspeed launcher of this rank is gone (killed?): saved "
                                   "step %d and stopped; relaunch the job to continue from it. "
                                   "DeepSpeed's runner exits 0 when its launcher is killed by a "
                                   "signal: trust this line, not that status", s.step)
+                    elif gone == "runner":
+                        log.error("the deepspeed command that started this job is gone "
+                                  "(stopped by a signal?): saved step %d and stopped; relaunch "
+                                  "the job to continue from it", s.step)
                     log.warning("signal %s: saved step %d, exiting",
                                 stop.received or "(other rank)", s.step)
                     self.close()
@@ -377,11 +381,10 @@ class Trainer:
         if self.sim is not None:  # one rank's loss, not the job's
             metrics = rename_losses(metrics)
         self.tracker.log(s.step, metrics)
-        if mfu > 1.0 and not self._said_mfu and self.rt.is_main:
-            self._said_mfu = True
-            log.warning("MFU %.0f%% > 100%%: the peak of %.3g FLOP/s (%s) is too low for this "
-                        "machine; set trainer.peak_flops to its per-device peak", 100 * mfu,
-                        self.peak.value, self.peak.source)
+        if mfu > 1.0 and self.rt.is_main:  # every time: an MFU above 100% is never true
+            log.warning("MFU %.0f%% > 100%% at step %d: the peak of %.3g FLOP/s (%s) is too low "
+                        "for this machine; set trainer.peak_flops to its per-device peak", 100 * mfu,
+                        s.step, self.peak.value, self.peak.source)
         if self.rt.is_main and self.cfg.tracking.console:
             log.info("step %5d/%d | %s %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | mfu %.1f%% | "
                      "%d steps in %.1fs (median %.2fs)", s.step, t.max_steps,

@@ -178,6 +178,7 @@ def _cases(work: Path, out: Path):
     ]
 
 
+@pytest.mark.slow
 def test_bad_input_table(finished, monkeypatch, capsys):
     """Every row: the exit code, the message, no traceback, and nothing written."""
     work, out = finished
@@ -257,6 +258,7 @@ def test_no_validation_split_means_no_evaluation(tmp_path, monkeypatch, capsys):
     assert "no validation split, so there is no evaluation" in text
 
 
+@pytest.mark.slow
 def test_multirun_jobs_get_their_own_directories(tmp_path, monkeypatch, capsys):
     """A --multirun sweep: each job trains in <output_dir>/<its swept values>, so job 1 never
     resumes job 0's checkpoint; rerunning the sweep continues each job in its own directory."""
@@ -281,6 +283,7 @@ def test_multirun_jobs_get_their_own_directories(tmp_path, monkeypatch, capsys):
         assert steps == [1, 2, 3, 4], (d.name, steps)
 
 
+@pytest.mark.slow
 def test_refusals_come_before_the_data_and_the_process_group(finished, monkeypatch, capsys,
                                                              tmp_path):
     """What can be checked from the config and the files is checked before data preparation and
@@ -418,6 +421,7 @@ def test_a_resume_refused_at_load_leaves_the_run_files(finished, tmp_path, monke
     assert tree(out) == before, "a resume that failed to load rewrote the run's files"
 
 
+@pytest.mark.slow
 def test_a_forked_run_is_a_new_wandb_run(tmp_path, monkeypatch, capsys):
     """Run B resumed from run A's checkpoint into another output_dir is a new W&B run whose
     config names A's run and checkpoint; A's run id is never written to again."""

@@ -287,6 +287,7 @@ def test_startup_bench_reports_each_variant_and_phase(tmp_path, capsys):
     assert floor[-1] == "step 1 (forward, backward, AdamW step)"
 
 
+@pytest.mark.slow
 def test_checkpoint_bench_reports_blocked_and_durable_seconds(tmp_path, capsys):
     """`llama-bench checkpoint`, one launch of 2 ranks (the tiny data, already prepared): each
     save's blocked and durable seconds, the medians, and the command, from real records."""

@@ -196,6 +196,7 @@ def test_resume_from_a_directory_that_is_not_a_checkpoint_is_bad_input(tmp_path,
     assert str(notes) in errors[0] and "trainer_state.json" in errors[0], errors
 
 
+@pytest.mark.slow
 def test_tampered_checkpoint_is_refused_in_one_line_by_resume_and_export(small_run, tmp_path,
                                                                          capsys):
     """A checkpoint whose model file is a code-running pickle and whose manifest was rewritten
@@ -324,6 +325,7 @@ def _mount(*args: str):
     return None if proc.returncode == 0 else (proc.stderr.strip() or f"exit {proc.returncode}")
 
 
+@pytest.mark.slow
 def test_full_disk_during_universal_conversion(small_run, tmp_path, monkeypatch):
     """A real tmpfs with room for the checkpoint but not its conversion (where this machine lets
     us mount; else ENOSPC injected into the conversion's writes): one short message that says

@@ -161,7 +161,10 @@ def test_bench_sizes_and_units():
 # ---------------------------------------------------------------- launch scripts (no ranks started)
 
 def _bash(script: Path, args=(), env_extra=None, timeout=30):
-    env = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "MASTER_ADDR", "HOSTFILE", "NO_SSH")}
+    # a clean shell: the scripts honour MASTER_PORT and friends, which an in-process run earlier
+    # in this pytest worker may have left in os.environ
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "HOSTFILE", "NO_SSH")}
     env.update(PYTHON=sys.executable, **(env_extra or {}))
     return subprocess.run(["bash", str(script), *args], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)

@@ -153,15 +153,50 @@ def test_cli_reports_config_error_without_starting(tmp_path):
     assert time.time() - t0 < 120
 
 
-def test_mfu_peak_is_decided_once_and_says_where_it_came_from():
+def test_mfu_peak_is_decided_once_and_says_where_it_came_from(tmp_path, monkeypatch):
     """MFU's denominator never changes mid-run (it did: re-timed when the run beat it, so MFU
     jumped 98.9% -> 16.7% in one run); its source is stated."""
     from llama_train.engine import PeakFlops
 
+    monkeypatch.setenv("LLAMA_TRAIN_CACHE", str(tmp_path))
     peak = PeakFlops(torch.device("cpu"), "fp32", world_size=2)
-    assert peak.value > 0 and "measured at start" in peak.source
+    assert peak.value > 0 and "fp32 matmul on cpu" in peak.source
+    assert f"cached in {tmp_path / 'peak_flops.json'}" in peak.source
     value = peak.value
     assert peak.mfu(10 * value) == pytest.approx(10.0)  # above 100%: reported, not re-timed
     assert peak.value == value
     given = PeakFlops(torch.device("cpu"), "fp32", world_size=2, override=1e6)
     assert given.source == "trainer.peak_flops" and given.mfu(2e8) == pytest.approx(100.0)
+
+
+def test_the_cpu_peak_is_measured_once_per_machine_and_reused(tmp_path, monkeypatch):
+    """Issue 28, item 5: a matmul timed at every start read 4.3e10-2.0e11 FLOP/s on one machine,
+    so MFU read 5%-147% across identical runs. The first run measures and caches; later runs
+    (another process: the file, not memory) reuse the figure, saying where it came from;
+    another thread count is another entry; a damaged file is measured again and rewritten."""
+    from llama_train.flops import cached_matmul_flops
+
+    monkeypatch.setenv("LLAMA_TRAIN_CACHE", str(tmp_path))
+    calls = []
+
+    def measure(device, dtype, repeats):
+        calls.append((device.type, dtype, torch.get_num_threads()))
+        return 1e11 * len(calls)
+
+    cpu = torch.device("cpu")
+    first, source = cached_matmul_flops(cpu, torch.float32, measure)
+    assert first == 1e11 and "measured" in source and str(tmp_path) in source
+    assert cached_matmul_flops(cpu, torch.float32, measure) == (first, source)
+    assert len(calls) == 1
+    assert cached_matmul_flops(cpu, torch.bfloat16, measure)[0] == 2e11  # its own entry
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert cached_matmul_flops(cpu, torch.float32, measure)[0] == 3e11
+    finally:
+        torch.set_num_threads(threads)
+    assert cached_matmul_flops(cpu, torch.float32, measure)[0] == first  # still there
+    (tmp_path / "peak_flops.json").write_text("{not json")
+    assert cached_matmul_flops(cpu, torch.float32, measure)[0] == 4e11
+    assert cached_matmul_flops(cpu, torch.float32, measure)[0] == 4e11
+    assert len(calls) == 4

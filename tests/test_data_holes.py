@@ -87,6 +87,7 @@ def same(a, b) -> bool:
 
 # --- 1. a shard rewritten in place -------------------------------------------------------------
 @pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.slow
 def test_a_shard_rewritten_in_place_is_refused_before_a_changed_token_is_yielded(
         prepared, tmp_path, workers, step_noted):
     """Every block is read (and checked) in the first epoch; then every train shard is
@@ -125,6 +126,7 @@ def test_a_shard_rewritten_in_place_is_refused_before_a_changed_token_is_yielded
 
 
 @pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.slow
 def test_a_touched_or_identically_rewritten_shard_is_checked_again_not_refused(
         prepared, tmp_path, workers):
     """Only a change of the bytes stops the run: a new mtime alone (touch), or the same bytes
@@ -229,6 +231,7 @@ TRUNCATE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.slow
 def test_a_shard_truncated_mid_run_is_named_never_a_sigbus(prepared, tmp_path, workers):
     """Before: with a worker, "DataLoader worker ... killed by signal: Bus error" (exit 1 from
     the trainer); without, the process died of SIGBUS without a word (mmap read past the new

@@ -434,6 +434,7 @@ def test_data_without_block_checksums_falls_back_to_the_shard_check(prepared, tm
         pt[s1.start : s1.start + 10]  # block 0 of the shard: the whole shard is checked
 
 
+@pytest.mark.slow
 def test_training_stops_on_a_corrupt_shard(prepared, tmp_path):
     """In process, the real trainer on the tiny config: a same-size, in-range corruption of the
     block the first micro-batch reads stops the run with the DataError (the CLI's exit 2)

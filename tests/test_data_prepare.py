@@ -174,6 +174,7 @@ def test_builtin_corpus_is_real_text_and_deterministic():
     assert any("Return" in d for d in docs)  # docstrings, not only the pydoc topics
 
 
+@pytest.mark.slow
 def test_stdlib_corpus_is_the_whole_standard_library_and_prepares(tmp_path):
     """data.source=stdlib: every stdlib .py file whole (tests included), ~8x builtin; its own
     corpus id and directory name, so it never shares prepared data with builtin."""
@@ -190,6 +191,7 @@ def test_stdlib_corpus_is_the_whole_standard_library_and_prepares(tmp_path):
     assert prep.meta["documents"]["read"] == 40
 
 
+@pytest.mark.slow
 def test_prepare_builtin_source_small(tmp_path):
     prep = prepare_data(cfg(max_documents=120, val_fraction=0.05), VOCAB)
     assert prep.created and Path(prep.dir).parent == tmp_path / "cache"

@@ -279,6 +279,7 @@ def test_docmask_bench_runs(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.slow
 def test_through_the_trainer_each_document_scores_as_alone(stage, tmp_path):
     """trainer.document_mask=true through the real trainer and DeepSpeed engine (a world of
     one): the first training batch's loss through the engine equals the token mean of every

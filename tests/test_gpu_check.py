@@ -29,6 +29,7 @@ def test_skips_cleanly_without_a_gpu(tmp_path):
     assert set(REPO.iterdir()) == before
 
 
+@pytest.mark.slow
 def test_listed_commands_are_valid_llama_train_runs():
     """--print-commands (any machine): every llama-train command composes to a valid config."""
     proc = subprocess.run([sys.executable, "-m", "llama_train.bench.gpu_check",

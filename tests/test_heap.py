@@ -66,6 +66,7 @@ def _freed(mode: str, env_extra=None):
     return was_set, float(mib)
 
 
+@pytest.mark.slow
 def test_llama_train_returns_freed_tensors_to_the_os():
     # glibc's default keeps the freed MiBs in the heap (the control: the probe measures something)
     assert _freed("plain")[1] < 8

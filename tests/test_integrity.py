@@ -47,6 +47,7 @@ def corrupt(ckpt: Path) -> None:
 # item 2: every checkpoint corrupt
 
 
+@pytest.mark.slow
 def test_all_checkpoints_corrupt_refuses_then_archive_starts_over(tmp_path):
     out = tmp_path / "corrupt"
     args = ["trainer.max_steps=4", "trainer.save_every=2"]
@@ -79,6 +80,7 @@ def test_all_checkpoints_corrupt_refuses_then_archive_starts_over(tmp_path):
 # item 3: resume=never in a used output_dir
 
 
+@pytest.mark.slow
 def test_resume_never_refuses_a_used_dir_and_overwrite_starts_one_history(tmp_path):
     import torch.distributed as dist
 
@@ -110,6 +112,7 @@ def test_resume_never_refuses_a_used_dir_and_overwrite_starts_one_history(tmp_pa
 # item 5: resuming under a changed config
 
 
+@pytest.mark.slow
 def test_a_resume_on_fewer_ranks_per_step_keeps_the_checkpoint_global_batch(tmp_path, capfd):
     """Issue 28 item 2: the default global batch (micro_batch x ranks) changes with the number
     of ranks, and a resume on another count was refused. Now the checkpoint's global batch is
@@ -134,6 +137,7 @@ def test_a_resume_on_fewer_ranks_per_step_keeps_the_checkpoint_global_batch(tmp_
         train(cfg_for(out, *base, "trainer.max_steps=6", "trainer.global_batch=8"))
 
 
+@pytest.mark.slow
 def test_changed_run_config_is_refused_unless_allowed_and_safe_changes_are_logged(tmp_path):
     out = tmp_path / "changed"
     base = ["trainer.save_every=2"]

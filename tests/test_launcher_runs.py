@@ -168,3 +168,57 @@ def test_a_killed_launcher_stops_its_ranks_with_a_checkpoint(tmp_path):
     latest, _ = find_latest(out / "checkpoints")
     assert latest is not None and int(latest.name.split("_")[1]) >= 2, tail(log)
     assert "launcher of this rank is gone" in log.read_text(), tail(log)
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm-to-deepspeed"])
+def test_a_stopped_job_saves_and_says_so_without_a_traceback(how, tmp_path):
+    """Issue 28, item 1, through the real launcher (ZeRO-3, W&B offline):
+    * ``ctrl-c``: SIGINT to the job's process group, what a terminal sends. The launcher
+      SIGTERMs everything under each rank, W&B's service process too: the rank that hosts the
+      store used to die of W&B's broken socket while closing, and the other rank then failed
+      its last barrier ("lost contact with the job");
+    * ``sigterm-to-deepspeed``: SIGTERM to the ``deepspeed`` command alone (``kill <pid>``):
+      it used to die quietly and leave the launcher and the ranks training on headless.
+    Both: each rank finishes its step, saves it, says so in one line and exits; the newest
+    checkpoint is that step. The only traceback allowed is DeepSpeed's runner's own, on
+    Ctrl-C (its KeyboardInterrupt, not ours to catch)."""
+    import os
+    import re
+    import signal
+
+    import psutil
+
+    from helpers import launcher_cmd, losses_so_far, rank_pid, wait_for
+    from llama_train.checkpoint import find_latest
+
+    out = tmp_path / "run"
+    cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", "trainer.max_steps=100000",
+                        "trainer.save_every=100000", "trainer.eval_every=100000",
+                        "deepspeed.zero_stage=3", "tracking.wandb.mode=offline"])
+    log = tmp_path / "run.log"
+    with spawn(cmd, log) as proc:
+        assert wait_for(lambda: len(losses_so_far(out)) >= 2, 240), tail(log)
+        ranks = [psutil.Process(rank_pid(proc.pid, r)) for r in (0, 1)]
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+        _, alive = psutil.wait_procs(ranks, timeout=90)
+        assert not alive, f"ranks still running 90 s after {how}\n{tail(log)}"
+        proc.wait(timeout=60)
+    text = log.read_text(errors="replace")
+    saved = re.findall(r"\[rank(\d)\] WARNING signal \[[\d, ]+\]: saved step (\d+), exiting",
+                       text)
+    assert sorted(r for r, _ in saved) == ["0", "1"], tail(log)
+    step = int(saved[0][1])
+    assert {int(s) for _, s in saved} == {step}
+    latest, _ = find_latest(out / "checkpoints")
+    assert latest is not None and latest.name == f"step_{step:08d}", tail(log)
+    assert max(losses_so_far(out)) == step
+    for bad in ("lost contact", "Error executing job", "Exception ignored", "ERROR rank"):
+        assert bad not in text, tail(log, 120)
+    runner_tracebacks = len(re.findall(r"Traceback \(most recent call last\):\n  File \"\S+/"
+                                       r"bin/deepspeed\"", text))
+    assert text.count("Traceback") == runner_tracebacks <= (how == "ctrl-c"), tail(log, 120)
+    if how == "sigterm-to-deepspeed":
+        assert "the deepspeed command that started this job is gone" in text, tail(log)

@@ -222,3 +222,15 @@ def test_zero3_one_rank_starts_from_the_same_weights(reference, tmp_path):
     assert summary["sample"] and (out / "sample.txt").read_text().strip()
     assert find_latest(out / "checkpoints")[0].name == "step_00000002"
 
+
+
+def test_every_step_above_100_percent_mfu_is_warned(tmp_path, capfd):
+    """Issue 28, item 5: an MFU above 100% is never true; it was warned about once per run (and
+    once not at all). Now every logged step above it is, naming the peak and its source."""
+    train(cfg_for(tmp_path / "run", "trainer.max_steps=3", "trainer.save_every=100",
+                  "trainer.peak_flops=1000"))
+    err = capfd.readouterr().err
+    warned = [line for line in err.splitlines() if "> 100% at step" in line]
+    assert len(warned) == 3, err[-3000:]
+    assert all("(trainer.peak_flops)" in line and "set trainer.peak_flops" in line
+               for line in warned)

@@ -212,6 +212,7 @@ def _check_records(records, steps, weights):
         assert r["val_loss"] == pytest.approx(want, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_mixture_with_document_mask_trains_in_process(sources, small, tmp_path, capfd):
     """A world of one: the records, per-source validation, and a source that runs out starts
     its next epoch and the run says so."""

@@ -41,6 +41,7 @@ def _sweep_csv(path) -> None:
     ["shape", "--params", "1e8"],
     ["fit", "SWEEP", "--bootstrap", "0", "--bootstrap-a3", "0", "--top-k", "4"],
 ], ids=["model-info-zero3", "model-info-zero1-cpu", "compute-optimal", "inference-optimal", "shape", "fit"])
+@pytest.mark.slow
 def test_json_alone_on_stdout_without_ds_accelerator(argv, tmp_path):
     if "SWEEP" in argv:
         _sweep_csv(tmp_path / "runs.csv")

@@ -457,6 +457,7 @@ BAD_DATA = ["truncated shard", "same-size corruption, data.verify=true", "corrup
 
 
 @pytest.mark.parametrize("case", BAD_DATA)
+@pytest.mark.slow
 def test_bad_data_is_refused_before_the_process_group(case, bad_inputs, monkeypatch):
     import torch.distributed as dist
 

@@ -101,6 +101,7 @@ def test_check_resume_lists_a_shape_change_once_and_says_what_goes_ahead(tmp_pat
         check_resume(ckpt, state, cfg, world_size=2, global_batch=16, allowed=["optim"])
 
 
+@pytest.mark.slow
 def test_a_resume_is_judged_once(tmp_path, monkeypatch):
     """Preflight judges the checkpoint the resume will load; the trainer does not judge it
     again (it re-judges only when that checkpoint failed its checksums meanwhile)."""

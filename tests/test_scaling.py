@@ -726,3 +726,22 @@ def test_cli_model_info_prints_the_peak_and_the_advice(capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["fit"]["fits"] and res["rank_peak"]["zero_stage"] == 3
     assert res["deepspeed_estimate"]["function"].endswith("estimate_zero3_model_states_mem_needs")
+
+
+def test_compute_and_inference_optimal_each_name_the_others_default_fit(capsys):
+    """Issue 28, item 5: the two subcommands default to different loss laws, so they gave
+    different compute-optimal models for one budget without saying so. Each now prints what
+    the other's default gives; with one --fit for both, the baseline is the same model."""
+    main(["compute-optimal", "--flops", "3e20"])
+    out = capsys.readouterr().out
+    sardana = compute_optimal(3e20, "sardana")
+    assert "`llama-plan inference-optimal` defaults to --fit sardana" in out
+    assert f"{sardana['loss']:.4f}" in out
+    main(["inference-optimal", "--flops", "3e20", "--inference-tokens", "1e12"])
+    assert "`llama-plan compute-optimal` defaults to --fit chinchilla" in capsys.readouterr().out
+    assert main(["inference-optimal", "--flops", "3e20", "--inference-tokens", "1e12",
+                 "--fit", "chinchilla", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert "other_default_fit" not in res
+    chinchilla = compute_optimal(3e20, "chinchilla")
+    assert res["baseline"]["n_params"] == pytest.approx(chinchilla["n_params"], rel=1e-6)

@@ -55,6 +55,7 @@ def zero3_partitions(cfg, world: int):
 
 
 @pytest.mark.parametrize("world,rank", [(64, 0), (512, 511)])
+@pytest.mark.slow
 def test_zero3_rank_holds_its_share_of_a_real_job(tmp_path, world, rank):
     cfg = cfg_for(tmp_path / "out", *SIM, "deepspeed.zero_stage=3",
                   f"comm.simulate_ranks={world}", f"comm.simulate_rank={rank}")
@@ -70,6 +71,7 @@ def test_zero3_rank_holds_its_share_of_a_real_job(tmp_path, world, rank):
 
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("world", [64, 512])
+@pytest.mark.slow
 def test_zero12_rank_holds_one_nth_of_the_flat_group(tmp_path, stage, world):
     cfg = cfg_for(tmp_path / "out", *SIM, f"deepspeed.zero_stage={stage}",
                   f"comm.simulate_ranks={world}", "comm.simulate_rank=3")
@@ -91,6 +93,7 @@ def test_zero12_rank_holds_one_nth_of_the_flat_group(tmp_path, stage, world):
     ["deepspeed.zero_stage=3", "deepspeed.precision=bf16", "model.activation_checkpointing=true",
      "trainer.eval_every=2"],
 ], ids=["zero0-fp32", "zero3-bf16-checkpointing-eval"])
+@pytest.mark.slow
 def test_other_settings_run_as_a_simulated_rank(tmp_path, overrides):
     out = tmp_path / "out"
     result = train(cfg_for(out, *SIM, "comm.simulate_ranks=64", "comm.simulate_rank=63",
@@ -103,6 +106,7 @@ def test_other_settings_run_as_a_simulated_rank(tmp_path, overrides):
         assert [r["step"] for r in recorded if "rank_val_loss" in r] == [2, 4]
 
 
+@pytest.mark.slow
 def test_a_simulated_rank_resumes_exactly_and_reports_every_phase(tmp_path):
     """A 64-rank ZeRO-3 job's rank 3: 4 steps, then 2 more from its step-4 checkpoint, give the
     losses of 6 uninterrupted steps bit for bit; the report names every phase with the
@@ -143,6 +147,7 @@ def test_a_simulated_rank_resumes_exactly_and_reports_every_phase(tmp_path):
     assert "load" in names and "step5 forward" in names and "step1 forward" not in names
 
 
+@pytest.mark.slow
 def test_a_real_job_never_continues_a_simulated_rank(tmp_path):
     sim = ["comm.simulate_ranks=64", "comm.simulate_rank=3", "trainer.max_steps=2",
            "trainer.save_every=2", "trainer.eval_every=1000"]
@@ -152,6 +157,7 @@ def test_a_real_job_never_continues_a_simulated_rank(tmp_path):
             train(cfg_for(tmp_path / "out", "trainer.max_steps=4", *other))
 
 
+@pytest.mark.slow
 def test_a_simulation_leaves_later_launched_ranks_alone(tmp_path):
     """After a simulated rank ran in this process (a test runner), a rank that this process
     launches later is the rank its launcher says: a marker the simulation once left in the

@@ -202,6 +202,7 @@ def test_tensorboard_fresh_start_hides_an_earlier_start(tmp_path):
     assert tb_scalars(tmp_path / "tensorboard")["loss"] == [(1, 4.0), (2, 3.0)]
 
 
+@pytest.mark.slow
 def test_tensorboard_in_a_training_run_through_rollback_and_resume(tmp_path, monkeypatch):
     """The real loop, in this process: batches 5 and 6 are NaN, so the run rolls back to step
     4 and skips them; it stops at 6 with a checkpoint. That checkpoint is then lost (as if the
@@ -216,9 +217,12 @@ def test_tensorboard_in_a_training_run_through_rollback_and_resume(tmp_path, mon
     train(cfg_for(out, *args, "trainer.steps_this_run=6"))
     first = step_rows(out)
     assert sorted(first) == [1, 2, 3, 4, 5, 6]
-    for a, b in ((2, 3), (3, 4)):  # throughput, recomputed from two records' time and tokens
+    # throughput, recomputed from two records' time and tokens: the same order of magnitude (a
+    # factor such as the world size or the accumulation would be off by 2x or more); steps of
+    # ~50 ms on a loaded machine are too noisy for a closer match (4655 vs 4217 tok/s was seen)
+    for a, b in ((2, 3), (3, 4)):
         rate = (first[b]["tokens"] - first[a]["tokens"]) / (first[b]["time"] - first[a]["time"])
-        assert rate == pytest.approx(first[b]["tokens_per_s"], rel=0.1)
+        assert rate == pytest.approx(first[b]["tokens_per_s"], rel=0.4)
     assert_tensorboard_matches(out / "tensorboard", rows(out))
 
     shutil.rmtree(out / "checkpoints" / "step_00000006")
@@ -317,6 +321,7 @@ def test_offline_run_ends_with_one_sync_command_for_all_its_directories(
         assert f"{d.name}/run-{run_id}.wandb" in text, text
 
 
+@pytest.mark.slow
 def test_offline_run_that_fails_still_says_how_to_sync(tmp_path, no_wandb_key):
     """An error after W&B started: the process still prints the command (at exit), and W&B's
     own exit hook still closes the offline file with what was logged."""
@@ -347,6 +352,7 @@ def test_offline_run_that_fails_still_says_how_to_sync(tmp_path, no_wandb_key):
     assert res.returncode == 0 and "Would sync 1 run(s)" in res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_wandb_offline_continues_same_run_and_never_writes_the_key(tmp_path, monkeypatch, capfd):
     """A training run with W&B offline, stopped at step 12 and resumed: the checkpoint keeps the
     run id, the resume logs to the same run (a second offline directory of that id, both with

@@ -77,7 +77,30 @@ def _cmd_compute_optimal(ns: argparse.Namespace) -> Dict[str, Any]:
                          f"a={ap['a']:.2f}"])
         print(_table(rows, ["", "params N", "tokens D", "tokens/param", "pred. loss", "N ∝ C^a"]))
         print(f"N_opt = G (C/6)^a, D_opt = G^-1 (C/6)^b with a={e['a']:.4f}, b={e['b']:.4f}, G={e['G']:.4g}")
+    _other_default(ns, res, "inference-optimal", ns.flops)
     return res
+
+
+# Each subcommand's default loss law (--fit). They differ, so the compute-optimal model of one
+# budget differs between them (1.82B vs 2.28B params at 3e20 FLOPs was seen); each output names
+# the other's default and what it gives, so two tables are never compared unawares.
+DEFAULT_FIT = {"compute-optimal": "chinchilla", "inference-optimal": "sardana"}
+
+
+def _other_default(ns: argparse.Namespace, res: Dict[str, Any], other: str,
+                   flops: Optional[float]) -> None:
+    fit = DEFAULT_FIT[other]
+    if flops is None or ns.fit == fit:
+        return
+    alt = compute_optimal(flops, fit)
+    res["other_default_fit"] = {"command": f"llama-plan {other}", "fit": fit,
+                                "n_params": alt["n_params"], "n_tokens": alt["n_tokens"],
+                                "loss": alt["loss"]}
+    if not ns.json:
+        print(f"note: `llama-plan {other}` defaults to --fit {fit}; with it the compute-optimal "
+              f"model of {flops:.3g} FLOPs is {_si(alt['n_params'])} params x "
+              f"{_si(alt['n_tokens'])} tokens (pred. loss {alt['loss']:.4f}). Pass the same --fit "
+              f"to both to compare them.")
 
 
 def _cmd_inference_optimal(ns: argparse.Namespace) -> Dict[str, Any]:
@@ -107,6 +130,7 @@ def _cmd_inference_optimal(ns: argparse.Namespace) -> Dict[str, Any]:
         if "savings_vs_reference" in res:
             sr = res["savings_vs_reference"]
             print(f"saves {sr['flops']:.4g} FLOPs ({sr['percent']:.1f}%) vs the given reference model")
+    _other_default(ns, res, "compute-optimal", ns.flops)
     return res
 
 
@@ -391,7 +415,7 @@ def _common(p: argparse.ArgumentParser, fit: Optional[str] = "chinchilla") -> No
 def _add_compute_optimal(sub) -> None:
     p = sub.add_parser("compute-optimal", help="loss-optimal N, D for a training budget (Hoffmann et al. 2022)")
     p.add_argument("--flops", type=_float, required=True, help="training budget C in FLOPs (C = 6 N D)")
-    _common(p)
+    _common(p, fit=DEFAULT_FIT["compute-optimal"])
     p.set_defaults(func=_cmd_compute_optimal)
 
 
@@ -403,7 +427,7 @@ def _add_inference_optimal(sub) -> None:
     p.add_argument("--loss", type=float, help="target quality as a predicted loss")
     p.add_argument("--inference-tokens", type=_float, required=True, help="lifetime inference tokens D_inf")
     # Sardana et al.'s own constants, so their worked figures come out without a flag
-    _common(p, fit="sardana")
+    _common(p, fit=DEFAULT_FIT["inference-optimal"])
     p.set_defaults(func=_cmd_inference_optimal)
 
 
