@@ -268,6 +268,11 @@ def read_state(ckpt: Path) -> Dict[str, Any]:
     return state
 
 
+def checkpoint_step(ckpt: Path) -> int:
+    """The training step a checkpoint holds (its trainer_state.json)."""
+    return int(read_state(ckpt)["step"])
+
+
 # ----------------------------------------------------------------------------------------------
 # One output_dir, one history: what a run leaves there, and setting it aside to start over
 
@@ -853,30 +858,38 @@ def _agree(error: Any, group: Any = None) -> Any:
 # Consolidation for export (no process group needed)
 
 
+def resolve_checkpoint(ckpt_dir: str) -> Path:
+    """The ``step_N`` directory that ``ckpt_dir`` names: itself, or the latest complete one in
+    an output or checkpoints directory. Raises :class:`NotACheckpoint` for a path that holds no
+    checkpoint at all and CheckpointError when none of its saves is complete."""
+    path = Path(ckpt_dir)
+    if is_checkpoint(path):
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    partial = sorted(p.name for p in root.glob(".tmp-step_*")) if path.is_dir() else []
+    if not path.is_dir() or not (_step_dirs(root) or partial):
+        require_checkpoint(path, "checkpoint_dir")
+    found, warnings = find_latest(root, checksums=False)
+    for w in warnings:
+        log.warning(w)
+    if found is None:
+        why = [w.removeprefix("skipping checkpoint ") for w in warnings]
+        why += [f"{n} is a save that did not finish" for n in partial]
+        raise CheckpointError(f"no complete checkpoint in {root}: {'; '.join(why)}")
+    return found
+
+
 def load_consolidated(ckpt_dir: str):
     """(ModelArgs, full fp32 state dict, tokenizer path or None) from a checkpoint directory.
 
     Accepts a ``step_N`` directory or an output/checkpoints directory (then the latest complete
-    one is used). ZeRO shards are merged with DeepSpeed's zero_to_fp32.
+    one is used: :func:`resolve_checkpoint`). ZeRO shards are merged with DeepSpeed's zero_to_fp32.
     Raises :class:`NotACheckpoint` for a path that holds no checkpoint at all (exit 2 in the
     CLIs) and CheckpointError, naming the file, for one that cannot be loaded (exit 3).
     """
     from llama_train.model import ModelArgs
 
-    path = Path(ckpt_dir)
-    if not is_checkpoint(path):
-        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        partial = sorted(p.name for p in root.glob(".tmp-step_*")) if path.is_dir() else []
-        if not path.is_dir() or not (_step_dirs(root) or partial):
-            require_checkpoint(path, "checkpoint_dir")
-        found, warnings = find_latest(root, checksums=False)
-        for w in warnings:
-            log.warning(w)
-        if found is None:
-            why = [w.removeprefix("skipping checkpoint ") for w in warnings]
-            why += [f"{n} is a save that did not finish" for n in partial]
-            raise CheckpointError(f"no complete checkpoint in {root}: {'; '.join(why)}")
-        path = found
+    path = resolve_checkpoint(ckpt_dir)
     reason = verify(path, checksums=True)
     if reason is not None:
         raise CheckpointError(f"checkpoint {path} does not verify: {reason}")

@@ -20,7 +20,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from llama_train.comm import CommConfig
 from llama_train.policy import may_change, per_launch
 from llama_train.data.config import DataConfig
-from llama_train.model import ModelArgs
+from llama_train.model_args import ModelArgs
 
 
 class ConfigError(ValueError):

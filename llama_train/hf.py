@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 from dataclasses import asdict
@@ -331,6 +332,18 @@ def trained_with_bos(checkpoint_dir: PathLike) -> bool:
     return bool(OmegaConf.select(OmegaConf.load(cfg_file), "data.add_bos", default=False))
 
 
+def _save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """safetensors' ``save_file`` with the permissions of any other file written here:
+    safetensors creates its file 0600 whatever the umask, so a model exported for a team to
+    read was readable by its owner only."""
+    from safetensors.torch import save_file
+
+    save_file(dict(tensors), str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
 def export_hf(args: ModelArgs, state_dict: Mapping[str, torch.Tensor], out_dir: PathLike,
               tokenizer_model: Optional[PathLike] = None, dtype: torch.dtype = torch.float32,
               max_shard_bytes: int = _MAX_SHARD_BYTES, add_bos: bool = False) -> Path:
@@ -342,8 +355,6 @@ def export_hf(args: ModelArgs, state_dict: Mapping[str, torch.Tensor], out_dir: 
     whether training prepended BOS, ``data.add_bos``). bos/eos ids come from the tokenizer
     (LLaMA's 1/2 without one).
     """
-    from safetensors.torch import save_file
-
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype={dtype} is not supported: use torch.float32, torch.bfloat16 or torch.float16")
     out = Path(out_dir)
@@ -372,12 +383,12 @@ def export_hf(args: ModelArgs, state_dict: Mapping[str, torch.Tensor], out_dir: 
     for old in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
         old.unlink()  # a stale shard set would be mixed in on load
     if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        _save_safetensors(shards[0], out / "model.safetensors")
     else:
         weight_map = {}
         for i, shard in enumerate(shards, 1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / name), metadata={"format": "pt"})
+            _save_safetensors(shard, out / name)
             weight_map.update({k: name for k in shard})
         total = sum(v.numel() * v.element_size() for v in hf_sd.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -500,11 +511,13 @@ def export_main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("out_dir", help="where to write the Hugging Face model")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="weight dtype (default fp32)")
     a = p.parse_args(argv)
-    from llama_train.checkpoint import CheckpointError, NotACheckpoint, load_consolidated
+    from llama_train.checkpoint import (CheckpointError, NotACheckpoint, checkpoint_step,
+                                        load_consolidated, resolve_checkpoint)
 
     try:
-        args, state_dict, tokenizer_model = load_consolidated(a.checkpoint_dir)
-        add_bos = bool(tokenizer_model) and trained_with_bos(Path(tokenizer_model).parent)
+        ckpt = resolve_checkpoint(a.checkpoint_dir)
+        args, state_dict, tokenizer_model = load_consolidated(str(ckpt))
+        add_bos = bool(tokenizer_model) and trained_with_bos(ckpt)
         out = export_hf(args, state_dict, a.out_dir, tokenizer_model=tokenizer_model,
                         dtype=_DTYPES[a.dtype], add_bos=add_bos)
     except NotACheckpoint as e:
@@ -514,7 +527,9 @@ def export_main(argv: Optional[list[str]] = None) -> None:
     except (ValueError, RuntimeError) as e:  # its weights or tokenizer do not fit its model args
         _cli_fail(p.prog, EXIT_UNLOADABLE, f"{a.checkpoint_dir} cannot be exported: "
                                            f"{type(e).__name__}: {e}")
-    print(f"exported {a.checkpoint_dir} -> {out} ({a.dtype}{', with tokenizer' if tokenizer_model else ''})")
+    step = checkpoint_step(ckpt)
+    print(f"exported step {step} ({ckpt}) -> {out} "
+          f"({a.dtype}{', with tokenizer' if tokenizer_model else ''})")
 
 
 def import_main(argv: Optional[list[str]] = None) -> None:

@@ -28,20 +28,20 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from llama_train.model_args import (ModelArgs, count_params, ffn_hidden_dim, flops_per_token,
+                                    list_presets, load_preset)
 from llama_train.model_ops import (apply_rotary_emb, cross_entropy, document_ids, document_mask,
                                    rope_tables, sample_next_token)
-from llama_train.policy import may_change
 
-# model_ops' functions are this module's API too (from llama_train.model import document_ids)
+# model_args' and model_ops' names are this module's API too (from llama_train.model import
+# ModelArgs, document_ids): model_args holds the torch-free config half (ModelArgs, counts, presets)
 __all__ = ["ModelArgs", "ffn_hidden_dim", "count_params", "flops_per_token", "list_presets",
            "load_preset", "RMSNorm", "KVCache", "Attention", "FeedForward", "TransformerBlock",
            "Transformer", "apply_rotary_emb", "cross_entropy", "document_ids", "document_mask",
@@ -49,210 +49,6 @@ __all__ = ["ModelArgs", "ffn_hidden_dim", "count_params", "flops_per_token", "li
 
 # `enable_gqa` appeared in torch 2.5; older torch gets the K/V heads repeated explicitly.
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2] if p.isdigit()) >= (2, 5)
-
-
-# --------------------------------------------------------------------------------------------
-# Config
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ModelArgs:
-    """Shape of a LLaMA model. Defaults are a valid tiny model (~1 M parameters).
-
-    Field names are the Hydra keys under ``model.`` (``configs/model/<preset>.yaml`` lists them all).
-    """
-
-    dim: int = 128
-    """Residual stream width D."""
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: Optional[int] = None
-    """Key/value heads for grouped-query attention; None means n_heads (plain multi-head)."""
-    vocab_size: int = 2048
-    multiple_of: int = 64
-    """SwiGLU hidden size is rounded up to a multiple of this (see ``ffn_hidden_dim``)."""
-    ffn_dim_multiplier: Optional[float] = None
-    """Scales the SwiGLU hidden size before rounding (LLaMA-2 70B and LLaMA-3 use 1.3)."""
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_seq_len: int = 256
-    """Longest sequence the RoPE tables (and the KV cache) cover."""
-    tie_embeddings: bool = False
-    """Share the output head with the token embedding matrix."""
-    init_std: float = 0.02
-    activation_checkpointing: bool = may_change(False)
-    """Recompute each block in backward (per-block, non-reentrant); training mode only."""
-
-    def __post_init__(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
-            _check_positive_int(name, getattr(self, name))
-        if self.n_kv_heads is not None:
-            _check_positive_int("n_kv_heads", self.n_kv_heads)
-        for name in ("norm_eps", "rope_theta", "init_std"):
-            setattr(self, name, _check_positive_float(name, getattr(self, name)))
-        if self.ffn_dim_multiplier is not None:
-            self.ffn_dim_multiplier = _check_positive_float(
-                "ffn_dim_multiplier", self.ffn_dim_multiplier,
-                hint="use null for the plain LLaMA rule, or e.g. 1.3 as in LLaMA-3")
-        for name in ("tie_embeddings", "activation_checkpointing"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"model.{name}={getattr(self, name)!r} must be true or false")
-        if self.dim % self.n_heads:
-            raise ValueError(
-                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: "
-                "choose n_heads that divides dim (head_dim = dim / n_heads)")
-        if self.head_dim % 2:
-            raise ValueError(
-                f"model.dim={self.dim} / model.n_heads={self.n_heads} gives an odd head_dim="
-                f"{self.head_dim}, but RoPE rotates feature pairs: choose dim and n_heads so that "
-                "dim / n_heads is even")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(
-                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads="
-                f"{self.n_kv_heads}: choose n_kv_heads that divides n_heads (each key/value head "
-                "serves n_heads / n_kv_heads query heads), or null for plain multi-head attention")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        """Number of key/value heads with the ``None`` default resolved."""
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        """SwiGLU hidden size, by Meta's rule.
-
-        A SwiGLU block has three matrices instead of two, so LLaMA starts from 2/3 of the usual
-        4*dim to keep the parameter count of a 4*dim MLP: ``hidden = int(2 * 4 * dim / 3)``.
-        Optionally scale it, ``hidden = int(ffn_dim_multiplier * hidden)``, then round UP to a
-        multiple of ``multiple_of`` for hardware-friendly matmul shapes. Examples: 7B
-        (4096, 256) -> 11008; LLaMA-3 8B (4096, 1024, x1.3) -> 14336; 70B (8192, 4096, x1.3) -> 28672.
-        """
-        return ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
-
-    SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim",
-                    "tie_embeddings")
-
-    def shape_differences(self, other: "ModelArgs") -> list:
-        """``[(name, ours, theirs)]`` for each field that gives ``other``'s weights other shapes
-        than ours: their state dict would not load into this model."""
-        return [(n, getattr(self, n), getattr(other, n)) for n in self.SHAPE_FIELDS
-                if getattr(self, n) != getattr(other, n)]
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ModelArgs":
-        """Build from a plain dict or an OmegaConf ``DictConfig``; unknown keys are an error."""
-        try:  # a Hydra/OmegaConf node: resolve interpolations into plain Python values
-            from omegaconf import DictConfig, OmegaConf
-
-            if isinstance(d, DictConfig):
-                d = OmegaConf.to_container(d, resolve=True)
-        except ImportError:  # pragma: no cover
-            pass
-        if not isinstance(d, Mapping):
-            raise ValueError(f"model config must be a mapping of ModelArgs fields, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown model config key(s) {', '.join('model.' + k for k in unknown)}: "
-                f"valid keys are {', '.join(sorted(known))}")
-        return cls(**dict(d))
-
-
-def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:
-    """The LLaMA SwiGLU hidden-size rule; see ``ModelArgs.ffn_hidden_dim``."""
-    hidden = int(2 * 4 * dim / 3)
-    if ffn_dim_multiplier is not None:
-        hidden = int(ffn_dim_multiplier * hidden)
-    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"model.{name}={value!r} must be an integer (got {type(value).__name__})")
-    if value <= 0:
-        raise ValueError(f"model.{name}={value} must be a positive integer")
-
-
-def _check_positive_float(name: str, value: Any, hint: str = "") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"model.{name}={value!r} must be a number (got {type(value).__name__})")
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"model.{name}={value} must be a positive finite number" + (f": {hint}" if hint else ""))
-    return float(value)
-
-
-# --------------------------------------------------------------------------------------------
-# Analytic helpers (no module is built)
-# --------------------------------------------------------------------------------------------
-
-
-def _layer_matmul_params(args: ModelArgs) -> int:
-    d, hd = args.dim, args.head_dim
-    attn = d * args.n_heads * hd * 2 + d * args.kv_heads * hd * 2  # wq, wo + wk, wv
-    ffn = 3 * d * args.ffn_hidden_dim  # w1, w2, w3
-    return attn + ffn
-
-
-def count_params(args: ModelArgs) -> dict:
-    """Parameter counts computed from the args alone.
-
-    ``total`` counts a tied embedding/output matrix once; ``embedding`` is ``tok_embeddings`` only;
-    ``non_embedding = total - embedding`` (so it includes the output head when untied).
-    """
-    embedding = args.vocab_size * args.dim
-    per_layer = _layer_matmul_params(args) + 2 * args.dim  # + attention_norm, ffn_norm
-    output = 0 if args.tie_embeddings else args.vocab_size * args.dim
-    total = embedding + args.n_layers * per_layer + args.dim + output  # + final norm
-    return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
-
-
-def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward), PaLM appendix B convention.
-
-    ``6 * N_matmul + 12 * n_layers * dim * seq_len``: ``N_matmul`` counts every weight used in a
-    matmul, the output head included (even when tied, the matmul still happens) and the embedding
-    lookup and norms excluded; the second term is the attention score/value matmuls (QK^T and AV,
-    full T x T, no discount for the causal mask).
-    """
-    if seq_len <= 0:
-        raise ValueError(f"seq_len={seq_len} must be positive")
-    n_matmul = args.n_layers * _layer_matmul_params(args) + args.vocab_size * args.dim
-    return float(6 * n_matmul + 12 * args.n_layers * args.dim * seq_len)
-
-
-def list_presets() -> list[str]:
-    """Names of the model presets in ``configs/model``."""
-    from llama_train.paths import CONFIG_DIR
-
-    return sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml"))
-
-
-def load_preset(name_or_path: Union[str, Path]) -> ModelArgs:
-    """ModelArgs from ``configs/model/<name>.yaml`` or from a yaml file path."""
-    from omegaconf import OmegaConf
-
-    from llama_train.paths import CONFIG_DIR
-
-    p = Path(name_or_path)
-    if p.suffix not in (".yaml", ".yml") and len(p.parts) == 1:
-        p = Path(CONFIG_DIR) / "model" / f"{name_or_path}.yaml"
-        if not p.is_file():
-            raise ValueError(
-                f"unknown model preset {str(name_or_path)!r}: choose one of {', '.join(list_presets())} "
-                f"(files in {Path(CONFIG_DIR) / 'model'}) or pass a yaml path")
-    elif not p.is_file():
-        raise ValueError(f"model config file {str(p)!r} does not exist")
-    cfg = OmegaConf.load(p)
-    try:
-        return ModelArgs.from_dict(cfg)
-    except ValueError as e:
-        raise ValueError(f"{p}: {e}") from None
 
 
 # --------------------------------------------------------------------------------------------

@@ -124,6 +124,8 @@ def preflight(cfg: Config) -> Preflight:
             e.filename = str(cfg.data.prepared_dir or cache_dir())
         raise
     check_compatible(prepared.meta, cfg.model.vocab_size, cfg.trainer.seq_len)
+    if rt.is_main:  # where the data is, also when it was prepared by an earlier run
+        log.info("data: %s (tokenizer %s)", prepared.dir, prepared.tokenizer_path)
     _check_epochs(cfg, plan, prepared.meta, rt.is_main)
     _check_prepared_tokenizer(prepared)
     _check_sample_prompt(cfg, prepared)

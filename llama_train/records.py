@@ -104,6 +104,15 @@ class RunInfo:
         """json.JSONDecodeError if the file is not JSON, ValueError if not an object."""
         return cls.from_dict(json.loads(Path(path).read_text()))
 
+    @classmethod
+    def final_val_loss_of(cls, output_dir: PathLike) -> Optional[float]:
+        """The final val_loss a finished run recorded in ``output_dir`` (None: none recorded,
+        or a run_info.json that cannot be read)."""
+        try:
+            return cls.read(Path(output_dir) / RUN_INFO_FILE).final_val_loss
+        except (OSError, ValueError, TypeError):
+            return None
+
     @property
     def finished(self) -> bool:
         """Written at the run's end (a run that was killed has only the start's)."""

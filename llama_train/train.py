@@ -30,7 +30,7 @@ from llama_train.hooks import Hook
 from llama_train.paths import CONFIG_DIR
 from llama_train.preflight import preflight, setup_logging
 from llama_train.proc import exit_skipping_teardown, limit_retained_heap
-from llama_train.util import free_bytes, within
+from llama_train.util import free_bytes, say_error, within
 
 log = logging.getLogger("llama_train")
 
@@ -41,7 +41,13 @@ def train(cfg: Config, hooks: Sequence[Hook] = ()) -> Dict[str, Any]:
 
     pre = preflight(cfg)
     try:
-        return start(pre, hooks).fit()
+        trainer = start(pre, hooks)
+        if trainer is None:  # the run had already reached trainer.max_steps
+            from llama_train.records import RunInfo
+
+            return {"complete": True,
+                    "val_loss": RunInfo.final_val_loss_of(cfg.trainer.output_dir)}
+        return trainer.fit()
     finally:
         pre.release()
 
@@ -97,12 +103,15 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
             log.info("--multirun job %s trains in its own trainer.output_dir=%s", own_dir,
                      cfg.trainer.output_dir)
         trainer = start(pre, hooks)
+        if trainer is None:  # the run had already reached trainer.max_steps
+            from llama_train.records import RunInfo
+
+            return RunInfo.final_val_loss_of(pre.cfg.trainer.output_dir)
         result = trainer.fit()
     except DataInterrupted as e:
         # the data changed under the running job (DataChanged: exit 3), seen by this rank
         # alone, maybe: one line and exit now, as for an unwritable output_dir below
-        log.error("%s", e)
-        print(f"llama-train: error: {e}", file=sys.stderr)
+        say_error(str(e))
         logging.shutdown()
         exit_skipping_teardown(e.exit_code)
     except ValueError as e:  # ConfigError, DataError, ModelArgs checks: a message, not a trace
@@ -123,8 +132,7 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
             # cache, the archive): a disk problem, not a bug and not the config
             _fail(EXIT_CHECKPOINT, OSError(_disk_error(e, cfg if pre is None else pre.cfg)))
         msg = _unwritable(e, trainer.cfg.trainer.output_dir)
-        log.error("%s", msg)
-        print(f"llama-train: error: {msg}", file=sys.stderr)
+        say_error(msg)
         logging.shutdown()
         # Only this rank knows: exit now, before the other ranks, which lose it in their next
         # collective (exit 5), so the launcher reports this exit code. A teardown would wait on
@@ -259,8 +267,7 @@ def _exit_lost_rank(comm: BaseException, timeout_s: float, step: Optional[int]) 
     msg = (f"rank {rank} lost contact with the job{f' at step {step}' if step else ''}: {who}. "
            f"Collective error: {first}. Relaunch the job: it resumes from the last complete "
            f"checkpoint.")
-    log.error(msg)
-    print(f"llama-train: error: {msg}", file=sys.stderr)
+    say_error(msg)
     # a rank that did not check in may be alive with its loop stuck (its heartbeat runs, so its
     # watchdog saw nothing wrong): it prints its stacks and exits when it reads this
     watchdog.abort_job(msg)
@@ -321,8 +328,7 @@ def _cuda_available() -> bool:
 
 
 def _fail(code: int, e: BaseException) -> None:
-    log.error("%s: %s", type(e).__name__, e)
-    print(f"llama-train: error: {e}", file=sys.stderr)
+    say_error(str(e))
     raise SystemExit(code) from None
 
 

@@ -28,7 +28,8 @@ from omegaconf import OmegaConf
 
 from llama_train import engine as eng
 from llama_train import watchdog
-from llama_train.checkpoint import (CheckpointManager, prepare_universal, read_state, rng_state,
+from llama_train.checkpoint import (CheckpointManager, checkpoint_step, prepare_universal,
+                                    read_state, rng_state,
                                     set_rng_state)
 from llama_train.data import TrainLoader, eval_sets
 from llama_train.faults import FaultInjector, FaultPlan
@@ -42,6 +43,7 @@ from llama_train.recovery import Recovery
 from llama_train.resume import ResumeCheck, log_changes
 from llama_train.sample import generate_sample
 from llama_train.simulation import MeteredEngine, Simulation, format_table, rename_losses
+from llama_train.summary import already_complete, duration, end_of_run
 from llama_train.tracking import Tracker
 from llama_train.train_module import BatchResult, TrainModule
 
@@ -136,11 +138,12 @@ class StopSignals:
         return 128 + (self.received[0] if self.received else signal.SIGTERM)
 
 
-def start(pre, hooks: Sequence[Hook] = ()) -> "Trainer":
+def start(pre, hooks: Sequence[Hook] = ()) -> Optional["Trainer"]:
     """Set the job up after preflight (``pre``, a :class:`llama_train.preflight.Preflight`):
     the process group, the checkpoint to continue (verified by rank 0; an old history set aside
     if ``trainer.on_existing`` says so), judged by :mod:`llama_train.resume` if it is not the one
-    preflight judged, converted for a new world size if needed; then the Trainer."""
+    preflight judged, converted for a new world size if needed; then the Trainer (None when the
+    checkpoint already holds trainer.max_steps: the run is complete)."""
     cfg, t, rt = pre.cfg, pre.cfg.trainer, pre.rt
     hooks = [FaultInjector(pre.faults or FaultPlan(), rt.rank), *hooks]
     stop_with_launcher()  # a killed launcher: SIGTERM, so this rank saves and stops
@@ -158,6 +161,14 @@ def start(pre, hooks: Sequence[Hook] = ()) -> "Trainer":
     resume_from = ckpts.resolve_resume(  # verified before unpickling
         t.resume, t.on_existing, cfg.tracking.metrics_file, run_files)
     resume = pre.resume_check(resume_from)
+    if resume is not None and not rt.simulated and checkpoint_step(resume.checkpoint) >= t.max_steps:
+        if rt.is_main:  # started again after it ended: no W&B run, no new sample
+            for line in already_complete(step=checkpoint_step(resume.checkpoint),
+                                         max_steps=t.max_steps, checkpoint=resume.checkpoint,
+                                         output_dir=t.output_dir,
+                                         val_loss=RunInfo.final_val_loss_of(t.output_dir)):
+                log.info("%s", line)
+        return None
     if resume is not None:
         resume.seconds["verify_s"] = time.perf_counter() - t0
         if rt.is_main:
@@ -178,6 +189,7 @@ class Trainer:
         self.cfg, self.rt, self.plan, self.prepared = pre.cfg, pre.rt, pre.plan, pre.prepared
         self.command = pre.command  # for run_info.json
         self.model_args = pre.model_args
+        self.experiment = pre.experiment  # scaling.ExperimentPlan of experiment=... runs
         cfg, t, rt = self.cfg, pre.cfg.trainer, pre.rt
         self.hooks: List[Hook] = list(hooks)
         self.ckpts = ckpts
@@ -270,6 +282,7 @@ class Trainer:
             self.last_good = self.resume_from  # a rollback returns here: the newest of this run
             last_saved = s.step if self.resume_from is not None else -1
             first_step, run_done = s.step, False
+            self.started = (time.perf_counter(), s.step, s.tokens)  # for the ETA and the summary
             self.engine.train()
             self.interval = Interval(s.tokens)
             while s.step < t.max_steps:
@@ -386,12 +399,15 @@ class Trainer:
                         "for this machine; set trainer.peak_flops to its per-device peak", 100 * mfu,
                         s.step, self.peak.value, self.peak.source)
         if self.rt.is_main and self.cfg.tracking.console:
+            # ETA: this start's wall time per step so far (evaluations and saves included)
+            t0, step0, _ = self.started
+            eta = (time.perf_counter() - t0) / max(1, s.step - step0) * (t.max_steps - s.step)
             log.info("step %5d/%d | %s %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | mfu %.1f%% | "
-                     "%d steps in %.1fs (median %.2fs)", s.step, t.max_steps,
+                     "%d steps in %.1fs (median %.2fs) | eta %s", s.step, t.max_steps,
                      "loss" if self.sim is None else "rank_loss (simulated)", b.loss, b.lr,
                      grad_norm if grad_norm is not None else float("nan"),
                      speed["tokens_per_s"], 100 * mfu, speed["interval_steps"],
-                     speed["interval_s"], speed["step_time_s"])
+                     speed["interval_s"], speed["step_time_s"], duration(eta))
         return metrics
 
     def evaluate(self) -> float:
@@ -541,8 +557,24 @@ class Trainer:
             (Path(self.cfg.trainer.output_dir) / "sample.txt").write_text(sample + "\n")
             self.write_run_info(final_val_loss=self.val_loss if self.sim is None else None,
                                 final_step=self.state.step, simulation=simulation)
+            if self.sim is None:
+                self._summarize()
         self.close()
         return sample
+
+    def _summarize(self) -> None:
+        """The end-of-run account (llama_train.summary) on rank 0."""
+        s, exp = self.state, self.experiment
+        t0, _, tokens0 = self.started
+        for line in end_of_run(
+                step=s.step, max_steps=self.cfg.trainer.max_steps,
+                wall_s=time.perf_counter() - t0, tokens=s.tokens, run_tokens=s.tokens - tokens0,
+                train_loss=self.losses[max(self.losses)] if self.losses else None,
+                val_loss=self.val_loss,
+                predicted_loss=exp.target_loss if exp is not None else None,
+                plan=exp.describe() if exp is not None else None, checkpoint=self.last_good,
+                output_dir=self.cfg.trainer.output_dir):
+            log.info("%s", line)
 
     def _simulation_report(self) -> Optional[Dict[str, Any]]:
         """A simulated rank's report (None otherwise): the saved checkpoint is loaded back first

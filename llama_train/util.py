@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -78,3 +80,15 @@ def splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
     return x ^ (x >> 31)
+
+
+def say_error(msg: str) -> None:
+    """``llama-train: error: <msg>`` on stderr, once: also logged only where the log is not
+    stderr itself (every error used to be printed twice, as a log line and as this line)."""
+    root = logging.getLogger()
+    to_stderr = any(isinstance(h, logging.StreamHandler)
+                    and getattr(h, "stream", None) in (sys.stderr, sys.__stderr__)
+                    for h in root.handlers)
+    if not to_stderr:
+        logging.getLogger("llama_train").error("%s", msg)
+    print(f"llama-train: error: {msg}", file=sys.stderr, flush=True)

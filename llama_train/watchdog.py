@@ -64,6 +64,8 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
+from llama_train.util import say_error
+
 log = logging.getLogger("llama_train")
 
 EXIT_LOST_RANK = 5  # the exit code of llama_train.train for a lost rank (docs/reliability.md)
@@ -433,9 +435,8 @@ class Watchdog(threading.Thread):
 
 
 def _exit(msg: str, rank: int) -> None:
-    log.error(msg)
-    print(f"llama-train: error: {msg} Exiting with code {EXIT_LOST_RANK}; relaunch the job: it "
-          f"resumes from the last complete checkpoint.", file=sys.stderr)
+    say_error(f"{msg} Exiting with code {EXIT_LOST_RANK}; relaunch the job: it resumes from "
+              f"the last complete checkpoint.")
     dump_threads(f"rank {rank}'s threads as it stops (its loop is thread "
                  f"0x{threading.main_thread().ident:016x})")
     logging.shutdown()

@@ -234,3 +234,48 @@ def test_every_step_above_100_percent_mfu_is_warned(tmp_path, capfd):
     assert len(warned) == 3, err[-3000:]
     assert all("(trainer.peak_flops)" in line and "set trainer.peak_flops" in line
                for line in warned)
+
+
+def test_a_finished_run_ends_with_an_account_and_a_rerun_trains_nothing(tmp_path, capfd):
+    """Issue 28, item 6: the end of a run says where its model is and how to use it; started
+    again, a finished run says it is complete and exits without a new W&B run or sample."""
+    out = tmp_path / "run"
+    cfg = cfg_for(out, "trainer.max_steps=3", "trainer.eval_every=3",
+                  "tracking.wandb.mode=offline", "tracking.console=true")
+    first = train(cfg)
+    err = capfd.readouterr().err
+    assert "step     3/3 |" in err and "| eta 0:00" in err  # each step line carries an ETA
+    ckpt = out / "checkpoints" / "step_00000003"
+    summary = err[err.index("run complete: step 3/3 in "):]
+    assert f"final train loss {first['losses'][3]:.4f}, val loss {first['val_loss']:.4f}" in summary
+    assert f"last checkpoint: {ckpt}" in summary
+    assert f"llama-export {ckpt} {out / 'hf'}" in summary
+    assert f"llama-generate {ckpt} --prompt 'The'" in summary
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    sample = (out / "sample.txt").stat().st_mtime_ns
+    again = train(cfg)
+    err = capfd.readouterr().err
+    assert again == {"complete": True, "val_loss": first["val_loss"]}
+    assert (f"run complete: {out} holds step 3 of trainer.max_steps=3, final val loss "
+            f"{first['val_loss']:.4f}; nothing to train") in err
+    assert sorted((out / "wandb").glob("offline-run-*")) == runs and len(runs) == 1
+    assert (out / "sample.txt").stat().st_mtime_ns == sample
+    assert len([r for r in rows(out) if "loss" in r]) == 3  # no step logged again
+
+
+def test_the_account_of_a_planned_run_sets_its_val_loss_beside_the_prediction():
+    """experiment=compute_optimal|inference_optimal: the plan's predicted loss (its law at the
+    planned N, D) and how far the run's val loss landed from it."""
+    from pathlib import Path
+
+    from llama_train.summary import duration, end_of_run
+
+    lines = end_of_run(step=1027, max_steps=1027, wall_s=3725.4, tokens=67_305_472,
+                       run_tokens=33_652_736, train_loss=3.4012, val_loss=3.5105,
+                       predicted_loss=3.4871, plan="compute_optimal (fit chinchilla): C=3e+12",
+                       checkpoint=Path("out/checkpoints/step_00001027"), output_dir="out")
+    assert lines[0] == ("run complete: step 1027/1027 in 1:02:05 (this start: 33,652,736 tokens; "
+                        "the run: 67,305,472); final train loss 3.4012, val loss 3.5105")
+    assert lines[1] == ("  the scaling plan predicted val loss 3.4871, +0.0234 from it "
+                        "(compute_optimal (fit chinchilla): C=3e+12)")
+    assert duration(59.6) == "1:00" and duration(0) == "0:00"

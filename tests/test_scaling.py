@@ -654,6 +654,13 @@ def test_cli_errors_name_the_problem(capsys):
     assert "missing.yaml" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["compute-optimal", "--flops", "lots"])
+    capsys.readouterr()
+    # a wrong flag gets the usage of its own subcommand, not the top-level list of subcommands
+    with pytest.raises(SystemExit) as e:
+        main(["model-info", "--model", "tiny", "--bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: llama-plan model-info")
+    assert "--gpu-mem" in err and "llama-plan model-info: error: unrecognized arguments: --bogus" in err
 
 
 # ------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from llama_train.comm.ring import ring_all_reduce
 from llama_train.policy import per_launch
 
 __all__ = [
@@ -22,6 +21,18 @@ __all__ = [
     "normalize_nccl_algo",
     "ring_all_reduce",
 ]
+
+
+
+def __getattr__(name: str):
+    """``ring_all_reduce`` from :mod:`llama_train.comm.ring` on first use: it needs torch, and
+    the config (which imports CommConfig from here) must not wait for torch to import."""
+    if name == "ring_all_reduce":
+        from llama_train.comm.ring import ring_all_reduce
+
+        return ring_all_reduce
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Algorithm names NCCL_ALGO understands (NCCL >= 2.12; NVLS/NVLSTree 2.17+, PAT 2.23+).
 # NCCL matches them case-insensitively; we store the canonical spelling.

@@ -232,7 +232,7 @@ def prepare_mixture(cfg: DataConfig, vocab_size: Optional[int],
         tmp = final / "meta.json.tmp"
         tmp.write_text(json.dumps(meta, indent=1))
         os.replace(tmp, final / "meta.json")
-    log.info("mixture %s: %s", final, ", ".join(
+    log.info("mixture %s (tokenizer %s): %s", final, tok_path, ", ".join(
         f"{s['name']} (weight {s['weight']:g}, {s['train_tokens']:,} train tokens)"
         for s in meta["sources"]))
     return PreparedData(dir=str(final), tokenizer_path=str(tok_path), meta=meta, created=True)

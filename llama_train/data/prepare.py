@@ -221,6 +221,7 @@ def prepare_data(cfg: Any, vocab_size: Optional[int] = None) -> PreparedData:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        log.info("prepared data in %s (tokenizer %s)", final, final / TOKENIZER_FILE)
         return _result(final, meta, created=True)
     finally:
         lock.release()

@@ -262,7 +262,8 @@ def train_tokenizer(
     with open(tmp, "wb") as f:
         f.write(_normalized_model(writer.getvalue()))
     os.replace(tmp, path)
-    log.info("trained tokenizer %s (vocab %d) on %d lines", path, vocab_size, counted["sentences"])
+    # no path: it is usually a temporary directory; the caller names the final one
+    log.info("trained a %d-piece tokenizer on %d lines", vocab_size, counted["sentences"])
     return path
 
 

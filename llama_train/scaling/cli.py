@@ -502,12 +502,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_compute_optimal, _add_inference_optimal, _add_model_info, _add_shape, _add_fit):
         add(sub)
+    parser.set_defaults(subcommands=sub.choices)  # name -> its parser, for its own usage
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, extra = parser.parse_known_args(argv)
+    if extra:  # a wrong flag gets the usage of the subcommand it was given to (exit 2)
+        ns.subcommands[ns.command].error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(ns, "top_k", None) == 0:
         ns.top_k = None
     try:
