@@ -1,16 +1,28 @@
-"""``trainer.dry_run=true``: the plan a command would train, printed, then exit. No process
-group and no data preparation."""
+"""``trainer.dry_run=true``: the one resolved plan a command would train, printed, then exit.
+No process group and no data preparation.
+
+What it shows, each from the module that decides it at run time: the experiment's plan
+(scaling), the model's shape and counts, the batch arithmetic (config.validate), ZeRO, precision
+and offload (engine), one rank's peak memory from the planner (scaling.memory) against this
+machine's device, the data (sources, weights, epochs when prepared) and attention masking, FLOPs
+(and why they differ from an experiment's budget), steps and an estimated time.
+"""
 
 from __future__ import annotations
 
+from typing import Any, List, Optional
+
 from llama_train.config import BatchPlan, Config, validate
-from llama_train.preflight import setup_logging, plan_experiment
+from llama_train.preflight import plan_experiment, setup_logging
+
+GIB = 2 ** 30
+
 
 def dry_run(cfg: Config) -> None:
     """trainer.dry_run=true: the plan this command would train, then exit. No process group and
     no data preparation (epochs only when the data is already prepared)."""
     from llama_train.data import DataError, find_prepared
-    from llama_train.engine import detect_runtime
+    from llama_train.engine import detect_runtime, resolve_precision
     from llama_train.model import count_params, flops_per_token
 
     rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
@@ -19,38 +31,147 @@ def dry_run(cfg: Config) -> None:
     plan = validate(cfg, rt.world_size, rt.device_type)
     if not rt.is_main:
         return
-    t, m = cfg.trainer, cfg.model
+    t, m, ds = cfg.trainer, cfg.model, cfg.deepspeed
     n, fpt = count_params(m), flops_per_token(m, t.seq_len)
     tokens = t.max_steps * plan.tokens_per_step
     try:
-        found = find_prepared(cfg.data, vocab_size=m.vocab_size)
+        found, why = find_prepared(cfg.data, vocab_size=m.vocab_size), None
     except DataError as e:
         found, why = None, str(e)
-    else:
-        why = "not prepared yet: it would be prepared first"
-    if found is not None:
-        train_tokens = found.meta["splits"]["train"]["tokens"]
-        epochs = (f"{tokens / max(1, train_tokens):.2f} epochs of the train split "
-                  f"({train_tokens:,} tokens, {found.dir})")
-    else:
-        epochs = f"unknown ({why})"
-    seconds, how = _estimate_step_seconds(m, plan, rt, cfg.deepspeed)
+    precision = resolve_precision(ds, rt.device_type)
+    seconds, how = _estimate_step_seconds(m, plan, rt, ds)
+    offload = [w for w, on in (("optimizer", ds.offload_optimizer), ("parameters", ds.offload_params))
+               if on]
     lines = [
         "dry run (trainer.dry_run=true): the plan, nothing started",
         *([f"  experiment: {experiment.describe()}"] if experiment else []),
         f"  model: dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads ({m.kv_heads} kv), vocab "
-        f"{m.vocab_size}, ffn {m.ffn_hidden_dim}",
+        f"{m.vocab_size}, ffn {m.ffn_hidden_dim}, max_seq_len {m.max_seq_len}"
+        f"{', activation checkpointing' if m.activation_checkpointing else ''}",
         f"  parameters: {n['total']:,} total, {n['non_embedding']:,} non-embedding",
         f"  batch: {rt.world_size} rank(s) x micro {plan.micro_batch} x accum {plan.grad_accum} = "
         f"{plan.global_batch} sequences x {t.seq_len} tokens = {plan.tokens_per_step:,} "
         f"tokens/step",
-        f"  steps: {t.max_steps:,} (warmup {cfg.optim.warmup_steps}) = {tokens:,} tokens; "
-        f"{epochs}",
-        f"  FLOPs: {fpt:.3g}/token x {tokens:.3g} tokens = {fpt * tokens:.3g}",
+        f"  engine: DeepSpeed ZeRO-{ds.zero_stage}, {precision} on {rt.device_type}, "
+        f"{'offload of the ' + ' and '.join(offload) + ' to CPU' if offload else 'no offload'}",
+        *_memory_lines(cfg, m, plan, rt, precision),
+        *_data_lines(cfg, found, why, tokens),
+        f"  attention: causal"
+        f"{', stopped at document boundaries (trainer.document_mask=true)' if t.document_mask else ' over the whole packed window (trainer.document_mask=false)'}",
+        f"  steps: {t.max_steps:,} (warmup {cfg.optim.warmup_steps}) = {tokens:,} tokens",
+        *_flops_lines(fpt, tokens, n, experiment, m, t.seq_len),
         f"  estimated time: {seconds * t.max_steps / 60:.1f} min ({seconds:.3g} s/step; {how})",
         f"  output: {t.output_dir}",
     ]
     print("\n".join(lines), flush=True)
+
+
+def print_job_config(overrides: List[str]) -> None:
+    """``llama-train --cfg job``: the config this command trains with, as YAML: the experiment's
+    plan applied (model shape, steps, warmup, lr), interpolations resolved (the output_dir an
+    experiment names), secrets scrubbed. Hydra's own ``--cfg job`` printed the composed config
+    before any of that (dim 128 and 150 steps where the run trained dim 64 for 1027 steps)."""
+    import yaml
+    from hydra import compose, initialize_config_dir
+
+    from llama_train.config import load_config, to_container
+    from llama_train.engine import detect_runtime
+    from llama_train.paths import CONFIG_DIR
+
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        cfg = load_config(compose("config", overrides=list(overrides)))
+    rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
+    cfg, experiment = plan_experiment(cfg, rt.world_size)
+    validate(cfg, rt.world_size, rt.device_type)
+    head = ("# llama-train --cfg job: the config this command trains with"
+            + (f" (experiment: {experiment.describe()})" if experiment else "")
+            + "; interpolations resolved, secrets scrubbed")
+    print(head + "\n" + yaml.safe_dump(to_container(cfg), sort_keys=False), end="", flush=True)
+
+
+def _memory_lines(cfg: Config, m, plan: BatchPlan, rt, precision: str) -> List[str]:
+    """One rank's peak from the planner, and whether it fits this machine's device (a GPU's
+    memory; on CPU the host's, shared by the ranks of this node)."""
+    from llama_train.scaling.memory import rank_peak_memory
+
+    ds = cfg.deepspeed
+    try:
+        peak = rank_peak_memory(m, zero_stage=ds.zero_stage, world_size=rt.world_size,
+                                dtype=precision, micro_batch=plan.micro_batch,
+                                seq_len=plan.seq_len, offload_optimizer=ds.offload_optimizer,
+                                offload_params=ds.offload_params, device=rt.device_type, ds=ds)
+    except ValueError as e:  # settings the planner does not model
+        return [f"  memory per rank: not planned ({e})"]
+    where = (f"{peak['device'] / GIB:.2f} GiB on the device + {peak['host'] / GIB:.2f} GiB host"
+             if peak["host"] else f"{peak['total'] / GIB:.2f} GiB")
+    line = f"  memory per rank (planner, peak in {peak['peak_phase']}): {where}"
+    have, what, need = _device_memory(rt, peak)
+    if have is None:
+        return [line]
+    verdict = "fits" if need <= have else "does NOT fit"
+    return [line, f"    {verdict}: {need / GIB:.2f} GiB against {have / GIB:.2f} GiB ({what}); "
+                  f"for another device: llama-plan model-info --gpu-mem GIB"]
+
+
+def _device_memory(rt, peak: dict):
+    """(bytes there are, what they are, bytes the plan needs of them)."""
+    import torch
+
+    if rt.device_type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(rt.local_rank)
+        return props.total_memory, f"{props.name}, this rank's GPU", peak["device"]
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - a dependency
+        return None, None, None
+    ranks = rt.local_world_size if not rt.simulated else 1
+    return (psutil.virtual_memory().total, f"this host's memory, {ranks} rank(s) of this node",
+            peak["total"] * ranks)
+
+
+def _data_lines(cfg: Config, found, why: Optional[str], tokens: int) -> List[str]:
+    """The sources and their weights; with the data prepared, how often each is read."""
+    d = cfg.data
+    if d.mixture:
+        total = sum(e.weight for e in d.mixture)
+        lines = [f"  data: a mixture of {len(d.mixture)} sources (data.mixture)"]
+        per = {s["name"]: s for s in found.meta.get("sources", [])} if found is not None else {}
+        for e in d.mixture:
+            share = e.weight / total if total else 0.0
+            read = ""
+            if e.name in per:
+                read = (f", {per[e.name]['train_tokens']:,} train tokens read "
+                        f"{tokens * share / max(1, per[e.name]['train_tokens']):.3g} times")
+            lines.append(f"    {e.name}: {e.source} (weight {e.weight:g}, {share:.1%} of the "
+                         f"tokens{read})")
+        if found is None:
+            lines.append(f"    epochs: unknown ({why or 'not prepared yet: it would be prepared first'})")
+        return lines
+    source = f"  data: {d.source}" + (f" (first {d.max_documents:,} documents)"
+                                      if getattr(d, "max_documents", None) else "")
+    if found is None:
+        return [source, f"    epochs: unknown ({why or 'not prepared yet: it would be prepared first'})"]
+    train_tokens = found.meta["splits"]["train"]["tokens"]
+    return [source, f"    {tokens / max(1, train_tokens):.2f} epochs of the train split "
+                    f"({train_tokens:,} tokens, {found.dir})"]
+
+
+def _flops_lines(fpt: float, tokens: int, n: dict, experiment: Any, m, seq_len: int) -> List[str]:
+    """The run's training FLOPs, and (an experiment) why they are not its budget C = 6 N D."""
+    lines = [f"  FLOPs: {fpt:.3g}/token x {tokens:.3g} tokens = {fpt * tokens:.3g}"]
+    if experiment is None:
+        return lines
+    e = experiment
+    attention = 12 * m.n_layers * m.dim * seq_len  # per token: scores and values, fwd + bwd
+    matmul = (fpt - attention) / 6  # parameters in matmuls: the output layer in, the lookup out
+    law_n = e.shape_params if e.shape_params is not None else e.n_params
+    lines.append(
+        f"    {fpt * tokens / e.flops:.3f}x the budget scaling.flops={e.flops:.3g}, which is "
+        f"6 N D with N={law_n:.3g} ({e.count} params) and D={e.n_tokens:.3g}; the run counts "
+        f"6 x {matmul:.3g} matmul params + attention's 12 x layers x dim x seq_len = "
+        f"{attention:.3g} per token, over {tokens:.3g} tokens (whole steps)")
+    return lines
+
 
 def _estimate_step_seconds(m, plan: BatchPlan, rt, ds) -> tuple:
     """Seconds per optimizer step on this machine: timed forward+backward passes of the model

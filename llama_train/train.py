@@ -332,6 +332,26 @@ def _fail(code: int, e: BaseException) -> None:
     raise SystemExit(code) from None
 
 
+def _job_config_request(argv: List[str]) -> Optional[List[str]]:
+    """The overrides of a ``--cfg job`` (``-c job``, ``--cfg=job``) command, or None: not asked
+    for, or asked with Hydra's other flags (--multirun, --package, --cfg hydra|all), which stay
+    Hydra's."""
+    args, asked = list(argv), False
+    for flag in ("--cfg", "-c"):
+        if flag in args and args.index(flag) + 1 < len(args) and args[args.index(flag) + 1] == "job":
+            i = args.index(flag)
+            del args[i:i + 2]
+            asked = True
+    if "--cfg=job" in args:
+        args.remove("--cfg=job")
+        asked = True
+    if "--resolve" in args:  # what we print is resolved anyway
+        args.remove("--resolve")
+    if not asked or any(a.startswith("-") for a in args):
+        return None
+    return args
+
+
 def _dump_stacks_on_sigusr1() -> None:
     """``kill -USR1 <pid>`` prints every thread's Python stack to the process's stderr (the
     rank's log under the launcher) and the process goes on: a job that hangs with its heartbeats
@@ -354,6 +374,18 @@ def main(hooks: Sequence[Hook] = ()) -> None:
     _dump_stacks_on_sigusr1()
     if "--multirun" in sys.argv or "-m" in sys.argv:
         _check_sweep([a for a in sys.argv[1:] if not a.startswith("-")])
+    overrides = _job_config_request(sys.argv[1:])
+    if overrides is not None:  # --cfg job: the config the run trains with, not the composed one
+        from llama_train.dry_run import print_job_config
+
+        try:
+            print_job_config(overrides)
+        except Exception as e:  # noqa: BLE001 - as a job's config errors: one line, exit 2
+            msg = explain_composition_error(e) or (str(e) if isinstance(e, ValueError) else None)
+            if msg is None:
+                raise
+            _fail(EXIT_BAD_INPUT, ConfigError(msg))
+        return
     # Hydra re-raises instead of printing its own trace and exiting 1: a command line it cannot
     # compose is bad input (exit 2, with a message) like every other.
     os.environ["HYDRA_FULL_ERROR"] = "1"

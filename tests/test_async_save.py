@@ -81,6 +81,7 @@ class Watch(Hook):
         self.seen[step] = sorted(p.name for p in self.root.glob("*step_*"))
 
 
+@pytest.mark.slow  # waits out a 6 s write
 def test_the_loop_trains_on_while_a_slow_write_is_in_flight(tmp_path, faults, capfd):
     # 6 s: steps 3 and 4 must end inside the write, also on a loaded machine (a full-suite run
     # once took over 3 s for them, and the save of step 4 had nothing left to wait for)

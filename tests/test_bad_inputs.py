@@ -227,8 +227,15 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, monkeypatch, capsy
     assert code == 0, text[-3000:]
     for needle in ("dry run (trainer.dry_run=true)", "compute_optimal (fit chinchilla): C=3e+13",
                    "parameters: ", "tokens/step", "steps: ", "epochs of the train split",
-                   "FLOPs: ", "estimated time: ", f"output: {out}"):
+                   "FLOPs: ", "estimated time: ", f"output: {out}",
+                   # issue 28 item 4: one resolved plan, engine, memory, data, masking, budget
+                   "engine: DeepSpeed ZeRO-0, fp32 on cpu, no offload",
+                   "memory per rank (planner, peak in ", "GiB (this host's memory, 1 rank(s)",
+                   "data: builtin (first 600 documents)",
+                   "attention: causal over the whole packed window (trainer.document_mask=false)",
+                   "x the budget scaling.flops=3e+13, which is 6 N D with N="):
         assert needle in text, (needle, text[-3000:])
+    assert re.search(r"\n    fits: [0-9.]+ GiB against [0-9.]+ GiB", text), text[-3000:]
     planned = re.search(r"tokens, (\d+) steps", text)  # the plan's log line: the steps trained
     assert planned and f"steps: {int(planned[1]):,} (" in text, text[-3000:]
     assert not out.exists() and not dist.is_initialized()
@@ -236,6 +243,27 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, monkeypatch, capsy
     code, text = llama_train([*TINY, f"trainer.output_dir={out}", "trainer.dry_run=true",
                               "data.max_documents=7"], monkeypatch, capsys)
     assert code == 0 and "unknown (not prepared yet" in text, text[-3000:]
+    # --cfg job: the config the run trains with (the plan applied, interpolations resolved);
+    # Hydra's printed the composed one (the preset's shape, trainer.max_steps=150, ${sci:...})
+    code, text = llama_train([*TINY, "experiment=compute_optimal", "scaling.flops=3e13",
+                              "--cfg", "job"], monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    import yaml
+
+    shown = yaml.safe_load(text[text.index("# llama-train --cfg job"):])
+    assert shown["trainer"]["max_steps"] == int(planned[1])
+    assert shown["trainer"]["output_dir"] == "outputs/compute_optimal/C3e13"
+    assert f"(dim {shown['model']['dim']}, {shown['model']['n_layers']} layers" in text
+    # a 70B model on this machine: ZeRO-3, the mixture's sources and weights, document masking
+    code, text = llama_train([f"trainer.output_dir={out}", "trainer.dry_run=true",
+                              "model=llama2_70b", "deepspeed.zero_stage=3", "data=mixture",
+                              "trainer.document_mask=true"], monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    for needle in ("engine: DeepSpeed ZeRO-3", "does NOT fit: ", "a mixture of 2 sources",
+                   "prose: builtin (weight 3, 75.0% of the tokens)",
+                   "code: stdlib (weight 1, 25.0% of the tokens",
+                   "stopped at document boundaries (trainer.document_mask=true)"):
+        assert needle in text, (needle, text[-3000:])
 
 
 def test_warmup_past_the_end_is_said(tmp_path, monkeypatch, capsys):

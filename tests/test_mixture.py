@@ -170,6 +170,13 @@ def test_a_source_without_text_is_refused_naming_it(sources, tmp_path, monkeypat
     missing = replace(cfg, mixture=[MixtureEntry("gone", str(root / "nope.jsonl"), 1.0)])
     with pytest.raises(DataError, match=r"data.mixture\[0\] \(gone"):
         prepare_data(missing, 512)
+    # the advice names the entry's own key (it said data.text_column, a key of no effect here)
+    wrong = replace(cfg, mixture=[MixtureEntry("prose", prose, 1.0),
+                                  MixtureEntry("code", prose, 1.0, text_column="content")])
+    with pytest.raises(DataError) as err:
+        prepare_data(wrong, 512)
+    assert "data.mixture.1.text_column" in str(err.value)
+    assert "data.text_column" not in str(err.value), str(err.value)
 
 
 # --- through training ---------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import logging
 import os
 import shutil
@@ -138,8 +139,14 @@ def _entry_cfg(cfg, e: MixtureEntry, tokenizer: Optional[str]):
                    split=e.split if e.split is not None else cfg.split)
 
 
+# The keys a mixture entry sets for itself: an error about one names the entry's key, which is
+# the one to change (data.text_column was advised where data.mixture.1.text_column was meant).
+_ENTRY_KEYS = re.compile(r"\bdata\.(source|text_column|hub_config|split)\b")
+
+
 def _named(i: int, e: MixtureEntry, err: DataError) -> DataError:
-    return DataError(f"data.mixture[{i}] ({e.name}, source={e.source!r}): {err}")
+    msg = _ENTRY_KEYS.sub(lambda m: f"data.mixture.{i}.{m.group(1)}", str(err))
+    return DataError(f"data.mixture[{i}] ({e.name}, source={e.source!r}): {msg}")
 
 
 def _mixture_target(cfg, entries: List[MixtureEntry], vocab_size: Optional[int]):
@@ -278,6 +285,8 @@ def weighted_texts(entries: Sequence[MixtureEntry], sources, max_lines: int) -> 
         i = min(live, key=lambda k: (chars[k] / float(entries[k].weight), k))
         try:
             text = next(its[i])
+        except DataError as err:  # e.g. its text column is missing: name the entry and its key
+            raise _named(i, entries[i], err) from None
         except StopIteration:
             if chars[i] == 0:
                 e = entries[i]
