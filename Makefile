@@ -27,15 +27,15 @@ train: $(STAMP)
 	$(BIN)/llama-train $(ARGS)
 
 # Two pytest-xdist workers, each taking whole test files (module fixtures run once), heaviest
-# files first (tests/conftest.py): 9.3-10.0 min of tests on 2 idle cores, 12.1 min in one
-# process. PYTEST_WORKERS=0 runs them in this process (for pdb, -x).
+# files first (tests/conftest.py): 11-12 min of tests on 2 idle cores (12:01 in a fresh clone,
+# after ~50 s of set-up). PYTEST_WORKERS=0 runs them in this process (for pdb, -x).
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadfile)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
-# The edit-test loop: everything in one process (no launcher), the loop included (~1 min).
+# The edit-test loop: everything in one process (no launcher), the loop included (~55 s).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 

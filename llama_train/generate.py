@@ -205,7 +205,7 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--top-p={a.top_p} must be in (0, 1]")
 
 
-def _device_and_dtype(a: argparse.Namespace):
+def device_and_dtype(a: argparse.Namespace):
     import torch
 
     device = a.device
@@ -238,7 +238,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             prompts = [text]
         else:
             prompts = a.prompt or ["The"]
-        device, dtype = _device_and_dtype(a)
+        device, dtype = device_and_dtype(a)
         loaded = load(a.checkpoint, a.tokenizer, device, dtype)
         settings = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                         top_k=a.top_k, top_p=a.top_p, seed=a.seed)

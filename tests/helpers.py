@@ -277,6 +277,18 @@ def cfg_for(out: Path, *overrides: str):
     return compose_cfg([*TINY, "trainer.micro_batch=4", f"trainer.output_dir={out}", *overrides])
 
 
+def trained_and_exported(root: Path, steps: int):
+    """The tiny model trained ``steps`` steps in this process (a world of one), its checkpoint at
+    the last step in ``root/run`` and that checkpoint exported to ``root/hf``: (run, hf)."""
+    from llama_train.hf import export_main
+    from llama_train.train import train as train_in_process
+
+    out, hf = root / "run", root / "hf"
+    train_in_process(cfg_for(out, f"trainer.max_steps={steps}", f"trainer.save_every={steps}"))
+    export_main([str(out), str(hf)])
+    return out, hf
+
+
 def tiny_prepared():
     """The tiny config and its prepared data: what the launched runs train on (prepared once a
     session, in conftest's LLAMA_TRAIN_CACHE). Returns (config, PreparedData)."""

@@ -10,10 +10,9 @@ import sys
 import pytest
 import torch
 
-from helpers import cfg_for
+from helpers import trained_and_exported
 from llama_train.generate import load, main as generate_main
 from llama_train.hf import export_main, import_main
-from llama_train.train import train
 
 pytestmark = pytest.mark.usefixtures("one_rank")  # conftest.py: a world of one
 
@@ -21,11 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_rank")  # conftest.py: a world of one
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """4 steps of the tiny model, a checkpoint at step 4, exported to Hugging Face format."""
-    out = tmp_path_factory.mktemp("gen") / "run"
-    train(cfg_for(out, "trainer.max_steps=4", "trainer.save_every=4"))
-    hf = out.parent / "hf"
-    export_main([str(out), str(hf)])
-    return out, hf
+    return trained_and_exported(tmp_path_factory.mktemp("gen"), 4)
 
 
 def _greedy_without_cache(model, ids, n, eos):
