@@ -39,7 +39,7 @@ def dry_run(cfg: Config) -> None:
     except DataError as e:
         found, why = None, str(e)
     precision = resolve_precision(ds, rt.device_type)
-    seconds, how = _estimate_step_seconds(m, plan, rt, ds)
+    seconds, how = _estimate_step_seconds(m, plan, rt, precision)
     offload = [w for w, on in (("optimizer", ds.offload_optimizer), ("parameters", ds.offload_params))
                if on]
     lines = [
@@ -59,7 +59,7 @@ def dry_run(cfg: Config) -> None:
         f"  attention: causal"
         f"{', stopped at document boundaries (trainer.document_mask=true)' if t.document_mask else ' over the whole packed window (trainer.document_mask=false)'}",
         f"  steps: {t.max_steps:,} (warmup {cfg.optim.warmup_steps}) = {tokens:,} tokens",
-        *_flops_lines(fpt, tokens, n, experiment, m, t.seq_len),
+        *_flops_lines(fpt, tokens, experiment, m, t.seq_len),
         f"  estimated time: {seconds * t.max_steps / 60:.1f} min ({seconds:.3g} s/step; {how})",
         f"  output: {t.output_dir}",
     ]
@@ -92,16 +92,12 @@ def print_job_config(overrides: List[str]) -> None:
 def _memory_lines(cfg: Config, m, plan: BatchPlan, rt, precision: str) -> List[str]:
     """One rank's peak from the planner, and whether it fits this machine's device (a GPU's
     memory; on CPU the host's, shared by the ranks of this node)."""
-    from llama_train.scaling.memory import rank_peak_memory
+    from llama_train.simulation import planned
 
-    ds = cfg.deepspeed
-    try:
-        peak = rank_peak_memory(m, zero_stage=ds.zero_stage, world_size=rt.world_size,
-                                dtype=precision, micro_batch=plan.micro_batch,
-                                seq_len=plan.seq_len, offload_optimizer=ds.offload_optimizer,
-                                offload_params=ds.offload_params, device=rt.device_type, ds=ds)
-    except ValueError as e:  # settings the planner does not model
-        return [f"  memory per rank: not planned ({e})"]
+    # a real rank of this world: on CPU gloo's own copies count (None)
+    peak = planned(cfg, m, plan, precision, rt.world_size, rt.device_type, gloo_copies=None)
+    if "error" in peak:  # settings the planner does not model
+        return [f"  memory per rank: not planned ({peak['error']})"]
     where = (f"{peak['device'] / GIB:.2f} GiB on the device + {peak['host'] / GIB:.2f} GiB host"
              if peak["host"] else f"{peak['total'] / GIB:.2f} GiB")
     line = f"  memory per rank (planner, peak in {peak['peak_phase']}): {where}"
@@ -144,19 +140,20 @@ def _data_lines(cfg: Config, found, why: Optional[str], tokens: int) -> List[str
                         f"{tokens * share / max(1, per[e.name]['train_tokens']):.3g} times")
             lines.append(f"    {e.name}: {e.source} (weight {e.weight:g}, {share:.1%} of the "
                          f"tokens{read})")
-        if found is None:
-            lines.append(f"    epochs: unknown ({why or 'not prepared yet: it would be prepared first'})")
-        return lines
-    source = f"  data: {d.source}" + (f" (first {d.max_documents:,} documents)"
-                                      if getattr(d, "max_documents", None) else "")
+    else:
+        lines = [f"  data: {d.source}" + (f" (first {d.max_documents:,} documents)"
+                                          if d.max_documents else "")]
     if found is None:
-        return [source, f"    epochs: unknown ({why or 'not prepared yet: it would be prepared first'})"]
+        return lines + [f"    epochs: unknown "
+                        f"({why or 'not prepared yet: it would be prepared first'})"]
+    if d.mixture:
+        return lines
     train_tokens = found.meta["splits"]["train"]["tokens"]
-    return [source, f"    {tokens / max(1, train_tokens):.2f} epochs of the train split "
+    return lines + [f"    {tokens / max(1, train_tokens):.2f} epochs of the train split "
                     f"({train_tokens:,} tokens, {found.dir})"]
 
 
-def _flops_lines(fpt: float, tokens: int, n: dict, experiment: Any, m, seq_len: int) -> List[str]:
+def _flops_lines(fpt: float, tokens: int, experiment: Any, m, seq_len: int) -> List[str]:
     """The run's training FLOPs, and (an experiment) why they are not its budget C = 6 N D."""
     lines = [f"  FLOPs: {fpt:.3g}/token x {tokens:.3g} tokens = {fpt * tokens:.3g}"]
     if experiment is None:
@@ -173,18 +170,16 @@ def _flops_lines(fpt: float, tokens: int, n: dict, experiment: Any, m, seq_len: 
     return lines
 
 
-def _estimate_step_seconds(m, plan: BatchPlan, rt, ds) -> tuple:
+def _estimate_step_seconds(m, plan: BatchPlan, rt, precision: str) -> tuple:
     """Seconds per optimizer step on this machine: timed forward+backward passes of the model
     (small models), else its FLOPs over a matmul peak at an assumed 40% MFU."""
     import time
 
     import torch
 
-    from llama_train.engine import resolve_precision
     from llama_train.flops import peak_flops
     from llama_train.model import Transformer, count_params, flops_per_token
 
-    precision = resolve_precision(ds, rt.device_type)
     if count_params(m)["total"] > 3e8:
         per_token = flops_per_token(m, plan.seq_len)
         peak = peak_flops(rt.device, precision)

@@ -107,9 +107,11 @@ class Simulation:
         return beside_the_plan(report, self.cfg, self.model_args, self.plan, self.precision)
 
 
-def planned(cfg, model_args, plan, precision: str, world: int, device: str) -> Dict[str, Any]:
+def planned(cfg, model_args, plan, precision: str, world: int, device: str,
+            gloo_copies: Optional[bool] = False) -> Dict[str, Any]:
     """The planner's phases for one rank of ``world`` (bytes), or {"error": why} where it has
-    none. Collectives answered in place copy nothing, so gloo's own copies are not counted."""
+    none. A simulated rank's collectives are answered in place and copy nothing, so gloo's own
+    copies are not counted by default (None: counted on CPU, as for a real rank there)."""
     from llama_train.scaling.memory import rank_peak_memory
 
     ds = cfg.deepspeed
@@ -118,7 +120,7 @@ def planned(cfg, model_args, plan, precision: str, world: int, device: str) -> D
             model_args, zero_stage=ds.zero_stage, world_size=world, dtype=precision,
             micro_batch=plan.micro_batch, seq_len=plan.seq_len,
             offload_optimizer=ds.offload_optimizer, offload_params=ds.offload_params,
-            device=device, ds=ds, gloo_copies=False)
+            device=device, ds=ds, gloo_copies=gloo_copies)
     except ValueError as e:  # ScalingError: settings the planner does not model
         return {"error": str(e)}
 

@@ -336,17 +336,16 @@ def _job_config_request(argv: List[str]) -> Optional[List[str]]:
     """The overrides of a ``--cfg job`` (``-c job``, ``--cfg=job``) command, or None: not asked
     for, or asked with Hydra's other flags (--multirun, --package, --cfg hydra|all), which stay
     Hydra's."""
-    args, asked = list(argv), False
-    for flag in ("--cfg", "-c"):
-        if flag in args and args.index(flag) + 1 < len(args) and args[args.index(flag) + 1] == "job":
-            i = args.index(flag)
-            del args[i:i + 2]
+    args, asked = [], False
+    pairs = zip(argv, [*argv[1:], None])
+    for a, after in pairs:
+        if a in ("--cfg", "-c") and after == "job":
             asked = True
-    if "--cfg=job" in args:
-        args.remove("--cfg=job")
-        asked = True
-    if "--resolve" in args:  # what we print is resolved anyway
-        args.remove("--resolve")
+            next(pairs)  # the "job" that followed
+        elif a == "--cfg=job":
+            asked = True
+        elif a != "--resolve":  # what we print is resolved anyway
+            args.append(a)
     if not asked or any(a.startswith("-") for a in args):
         return None
     return args

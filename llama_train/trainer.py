@@ -161,9 +161,10 @@ def start(pre, hooks: Sequence[Hook] = ()) -> Optional["Trainer"]:
     resume_from = ckpts.resolve_resume(  # verified before unpickling
         t.resume, t.on_existing, cfg.tracking.metrics_file, run_files)
     resume = pre.resume_check(resume_from)
-    if resume is not None and not rt.simulated and checkpoint_step(resume.checkpoint) >= t.max_steps:
+    done = checkpoint_step(resume.checkpoint) if resume is not None and not rt.simulated else 0
+    if done >= t.max_steps:
         if rt.is_main:  # started again after it ended: no W&B run, no new sample
-            for line in already_complete(step=checkpoint_step(resume.checkpoint),
+            for line in already_complete(step=done,
                                          max_steps=t.max_steps, checkpoint=resume.checkpoint,
                                          output_dir=t.output_dir,
                                          val_loss=RunInfo.final_val_loss_of(t.output_dir)):
