@@ -27,8 +27,8 @@ train: $(STAMP)
 	$(BIN)/llama-train $(ARGS)
 
 # Two pytest-xdist workers, each taking whole test files (module fixtures run once), heaviest
-# files first (tests/conftest.py): 11-12 min of tests on 2 idle cores (11:59 in a fresh clone,
-# after ~75 s of set-up). PYTEST_WORKERS=0 runs them in this process (for pdb, -x).
+# files first (tests/conftest.py): 12-12.5 min of tests on 2 idle cores (11:59, 12:30 in fresh clones,
+# after ~70 s of set-up). PYTEST_WORKERS=0 runs them in this process (for pdb, -x).
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadfile)
 
