@@ -60,7 +60,8 @@ def faults(monkeypatch):
 def zero3_run(tmp_path_factory):
     """ZeRO-3 on 2 ranks through the launcher (helpers.ZERO3): 6 steps, checkpoints at 2, 4
     and 6. One run for two modules: test_launcher_runs.py compares its losses with ZeRO-0's,
-    test_zero3.py resumes, reshards and exports copies of it. Read it, never write to it."""
+    test_zero3.py resumes, reshards and exports copies of it (one xdist worker runs both:
+    SAME_WORKER below). Read it, never write to it."""
     from helpers import ZERO3, train
 
     out = tmp_path_factory.mktemp("zero3_run") / "reference"
@@ -71,6 +72,8 @@ def zero3_run(tmp_path_factory):
 # The files with the most launcher runs, longest first. `make test` runs the suite on two
 # pytest-xdist workers that take whole files (--dist loadfile) in collection order: starting
 # with these leaves the short files to fill the end, instead of one long file running alone.
+# That order holds only with --no-loadscope-reorder: by default xdist sends the files with the
+# most tests first. (SAME_WORKER's pair below is one unit, in test_zero3.py's place.)
 HEAVY_FIRST = ("test_zero3.py", "test_hang.py", "test_reliability.py", "test_launcher_runs.py",
                "test_integrity.py", "test_mixture.py", "test_data_holes.py", "test_checkpoint.py",
                "test_bench.py", "test_scaling_study.py", "test_checkpoint_holes.py")
@@ -79,6 +82,28 @@ HEAVY_FIRST = ("test_zero3.py", "test_hang.py", "test_reliability.py", "test_lau
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within
+
+
+# Files that --dist loadfile sends to one worker as one unit: both use the session fixture
+# zero3_run (a launcher run), which each worker that runs one of them would compute again.
+SAME_WORKER = {"test_zero3.py": "zero3_run", "test_launcher_runs.py": "zero3_run"}
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown under -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with SAME_WORKER's files as one unit; every other file is its own, as
+    usual. (Not --dist loadgroup with an xdist_group mark per file: xdist 3.8 marks a group by
+    rewriting the test ids, which pytest 9.2 ignores, pytest-xdist issue 1386.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedFixtureFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SAME_WORKER.get(path.rsplit("/", 1)[-1], path)
+
+    return SharedFixtureFiles(config, log)
 
 
 def pytest_unconfigure(config):

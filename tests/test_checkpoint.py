@@ -11,12 +11,13 @@ import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 import torch
 
 from helpers import (REPO, TINY, assert_hf_logits_match, copy_at_step, export_hf, launcher_cmd,
-                     losses, losses_so_far, metrics, one_process, resumed_from, spawn, tail, train,
-                     wait_for)
+                     losses, losses_so_far, metrics, one_process, rank_pid, resumed_from, spawn,
+                     tail, train, wait_for)
 from llama_train.checkpoint import find_latest, load_consolidated, verify, write_manifest
 
 pytestmark = pytest.mark.slow
@@ -43,27 +44,6 @@ def uninterrupted(runs):
     out = runs / "full"
     train(out, STEPS)
     return out
-
-
-def test_sigterm_saves_and_resumes(uninterrupted, runs):
-    out = runs / "sigterm"
-    out.mkdir()
-    cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", *STEPS, "trainer.save_every=100"])
-    with spawn(cmd, runs / "sigterm.log") as proc:
-        assert wait_for(lambda: max(losses_so_far(out), default=0) >= 3, timeout=240,
-                        interval=0.05), \
-            tail(runs / "sigterm.log")
-        # like SLURM or Kubernetes on preemption: SIGTERM to every process of the job
-        os.killpg(proc.pid, signal.SIGTERM)
-        # the ranks finish their step and save; the launcher gives them 30 s before SIGKILL
-        wait_for(lambda: find_latest(out / "checkpoints")[0] is not None, timeout=60)
-        proc.wait(timeout=60)
-    latest, _ = find_latest(out / "checkpoints")
-    assert latest is not None, tail(runs / "sigterm.log")
-    stopped_at = int(latest.name.split("_")[1])
-    assert 3 <= stopped_at < 24
-    train(out, STEPS, log_name="resume.log")
-    assert losses(out) == losses(uninterrupted)
 
 
 def test_half_written_checkpoint_is_never_latest(tmp_path):
@@ -138,14 +118,18 @@ def test_a_simulated_zero2_rank_holds_what_the_real_rank_holds(uninterrupted, ru
         fp32_partitions(uninterrupted.joinpath(*step4), 1)
 
 
-def test_background_writes_killed_failing_and_finished_exactly(uninterrupted, runs):
-    """trainer.async_save under ZeRO-2, three launches of one run:
+def test_background_writes_killed_failing_sigtermed_and_finished_exactly(uninterrupted, runs):
+    """trainer.async_save under ZeRO-2, four launches of one run (the SIGTERM drill rides on
+    this chain, not on two launches of its own: each launch costs ~9 CPU-s of imports):
     1. the write of step 8 is slow (a slow disk) and the loop trains on past it; kill -9 of the
        whole job while it is in flight: step 8 never counts, step 4 is the newest;
     2. the relaunch resumes from step 4; the write of step 12 is slow, so the save of step 16
        waits for it (one write in flight) and says so; the write of step 16 fails on rank 1
        (disk full): the run stops at its next save, step 20, with exit 3 naming step 16;
-    3. the relaunch with keep_last=2 resumes from step 12 and ends as the uninterrupted run
+    3. the relaunch resumes from step 12; once it has trained a step, SIGTERM to every process
+       of the job (what SLURM or Kubernetes send on preemption): the ranks finish their step,
+       save it and exit;
+    4. the relaunch with keep_last=2 resumes from that step and ends as the uninterrupted run
        did, bit for bit, keeping the two newest complete checkpoints."""
     out = runs / "background"
     out.mkdir()
@@ -179,11 +163,39 @@ def test_background_writes_killed_failing_and_finished_exactly(uninterrupted, ru
     assert saves[12]["background"] and saves[12]["durable_s"] >= 4.0 > saves[12]["blocked_s"]
     assert 16 not in saves
 
-    train(out, [*STEPS, "trainer.keep_last=2"], log_name="3-finish.log")
-    assert resumed_from(out)[-1] == str(ckpts / "step_00000012")
+    log3 = runs / "background-3-sigterm.log"
+    step12 = str(ckpts / "step_00000012")
+
+    def trained_since_resuming_from_12() -> bool:
+        # until launch 3 cuts it back to checkpoint 12, metrics.jsonl still runs to step 20
+        rows = metrics(out)
+        resumes = [i for i, r in enumerate(rows) if r.get("event") == "resume"]
+        return bool(resumes) and rows[resumes[-1]]["checkpoint"] == step12 and any(
+            "loss" in r for r in rows[resumes[-1]:])
+
+    with spawn(launcher_cmd([*TINY, f"trainer.output_dir={out}", *STEPS]), log3) as proc:
+        assert wait_for(trained_since_resuming_from_12, timeout=240, interval=0.05), tail(log3)
+        ranks = [psutil.Process(rank_pid(proc.pid, r)) for r in (0, 1)]
+        # like SLURM or Kubernetes on preemption: SIGTERM to every process of the job; the ranks
+        # finish their step and save it (the launcher gives them 30 s before SIGKILL), while
+        # the deepspeed command may exit at once: wait for the ranks, not for it
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, alive = psutil.wait_procs(ranks, timeout=90)
+        assert not alive, tail(log3)
+        proc.wait(timeout=60)
+    assert resumed_from(out)[-1] == step12
+    latest, _ = find_latest(ckpts)
+    assert latest is not None, tail(log3)
+    stopped_at = int(latest.name.split("_")[1])
+    assert 13 <= stopped_at < 24 and max(losses_so_far(out)) == stopped_at, tail(log3)
+    assert f": saved step {stopped_at}, exiting" in log3.read_text(), tail(log3)
+
+    train(out, [*STEPS, "trainer.keep_last=2"], log_name="4-finish.log")
+    assert resumed_from(out) == [str(ckpts / f"step_{k:08d}") for k in (4, 12, stopped_at)]
     assert losses(out) == losses(uninterrupted)
     kept = sorted(p.name for p in ckpts.iterdir() if p.name.startswith((".tmp", "step_")))
-    assert kept == ["step_00000020", "step_00000024"]
+    # the two newest: 20 and 24, unless the SIGTERM landed after step 20
+    assert kept == [f"step_{k:08d}" for k in sorted({20, 24, stopped_at})[-2:]]
     assert all(verify(ckpts / k) is None for k in kept)
     _, a, _ = load_consolidated(str(ckpts))
     _, b, _ = load_consolidated(str(uninterrupted / "checkpoints"))
