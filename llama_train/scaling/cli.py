@@ -373,6 +373,7 @@ def _cmd_fit(ns: argparse.Namespace) -> Dict[str, Any]:
             raise ScalingError(f"--save-fit: Approach 3 gave no fit ({first.approach3_error})")
         import yaml
 
+        Path(ns.save_fit).parent.mkdir(parents=True, exist_ok=True)  # configs/scaling/ is new
         Path(ns.save_fit).write_text(yaml.safe_dump(first.approach3.law.to_dict(), sort_keys=False))
         extra["saved_fit"] = ns.save_fit
     if ns.params == "both":
