@@ -234,6 +234,21 @@ LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", 
 
 
 @contextmanager
+def launch_vars_restored():
+    """The launcher variables (RANK, WORLD_SIZE...) as they were before, whatever an in-process
+    run of the entry point set (it makes itself rank 0 of 1 when no launcher started it)."""
+    before = {k: os.environ.get(k) for k in LAUNCH_VARS}
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
 def world_of_one():
     """This process as rank 0 of 1 (the in-process tier): the first Trainer starts the group,
     later ones reuse it. Afterwards the group is destroyed, DeepSpeed's cached groups are

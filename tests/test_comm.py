@@ -235,6 +235,8 @@ def _kill_session(sid: int) -> None:
 def run_launched(cmd: list[str], env_extra: dict | None = None, timeout: int = LAUNCH_TIMEOUT_S) -> str:
     """Run ``cmd`` in a new session; fail with its output unless it exits 0 within ``timeout``."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", PYTHON=sys.executable)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE"):  # an in-process run's, if any
+        env.pop(var, None)  # (a rank identity would make the bench skip its relaunch)
     env.update(env_extra or {})
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

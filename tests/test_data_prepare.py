@@ -339,7 +339,7 @@ def test_llama_train_on_a_binary_source_exits_2_with_one_line(tmp_path, capsys):
     """The trainer's entry point: exit status 2 and the message, no traceback."""
     from hydra import compose, initialize_config_dir
 
-    from helpers import TINY
+    from helpers import TINY, launch_vars_restored
     from llama_train.paths import CONFIG_DIR
     from llama_train.train import run_job
 
@@ -348,7 +348,7 @@ def test_llama_train_on_a_binary_source_exits_2_with_one_line(tmp_path, capsys):
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         dcfg = compose("config", overrides=[*TINY, f"data.source={bad}",
                                             f"trainer.output_dir={tmp_path / 'out'}"])
-    with pytest.raises(SystemExit) as e:
+    with launch_vars_restored(), pytest.raises(SystemExit) as e:
         run_job(dcfg)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
