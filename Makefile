@@ -26,9 +26,10 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(BIN)/llama-train $(ARGS)
 
-# Two pytest-xdist workers, each taking whole test files (module fixtures run once), heaviest
-# files first (tests/conftest.py): 12-12.5 min of tests on 2 idle cores (11:59, 12:30 in fresh clones,
-# after ~70 s of set-up). PYTEST_WORKERS=0 runs them in this process (for pdb, -x).
+# Two pytest-xdist workers, each taking whole test files (module fixtures run once; the two
+# files sharing the zero3_run fixture as one unit, tests/conftest.py): 13-13.5 min of tests on
+# 2 idle cores (13:04 and 13:23 in fresh clones, after 60-90 s of set-up). PYTEST_WORKERS=0
+# runs them in this process (for pdb, -x).
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadfile)
 
