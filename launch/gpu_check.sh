@@ -6,11 +6,10 @@
 #
 #   bash launch/gpu_check.sh [--out DIR] [--quick] [--print-commands]
 #
-# Offline GPU machines: put wheels for what the machine's python lacks (deepspeed, hydra-core,
-# omegaconf, datasets, wandb and their dependencies) into .whl/ beforehand, e.g. here:
-#   pip download --python-version 3.12 --only-binary=:all: -d .whl hydra-core omegaconf ...
-#   pip wheel --no-deps -w .whl deepspeed     # DeepSpeed ships an sdist; DS_BUILD_OPS=0 wheel
-# and the set-up installs from there with --no-index.
+# Offline GPU machines: run `bash launch/gpu_bundle.sh` beforehand on a machine with an index:
+# it puts into .whl/ wheels of what the machine's python lacks (deepspeed, hydra-core, omegaconf
+# and their dependencies; .whl/requirements.txt) and the tiny run's prepared data (.whl/cache);
+# the set-up then installs from there with --no-index, and the runs read that data.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,7 +33,10 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv --system-site-packages .venv
 fi
 if ! .venv/bin/python -c "import llama_train, deepspeed, hydra" 2>/dev/null; then
-  if [ -d .whl ]; then
+  if [ -f .whl/requirements.txt ]; then  # launch/gpu_bundle.sh's: only what the image lacks
+    .venv/bin/pip install --no-index --find-links .whl --no-deps -r .whl/requirements.txt
+    .venv/bin/pip install --no-index --find-links .whl --no-deps -e .
+  elif [ -d .whl ]; then
     .venv/bin/pip install --no-index --find-links .whl -e ".[dev]"
   else
     .venv/bin/pip install -e ".[dev]"
@@ -43,4 +45,7 @@ fi
 .venv/bin/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
   'devices', torch.cuda.device_count(), torch.cuda.get_device_name(0))"
 export DS_ACCELERATOR=cuda PYTHONUNBUFFERED=1
+if [ -d .whl/cache ] && [ -z "${LLAMA_TRAIN_CACHE:-}" ]; then
+  export LLAMA_TRAIN_CACHE=$PWD/.whl/cache  # the bundle's prepared data: no tokenizing here
+fi
 exec .venv/bin/python -m llama_train.bench.gpu_check "$@"

@@ -345,6 +345,8 @@ TABLE: List[Tuple[str, object]] = [
     # ---- docs/benchmarks.md
     ("bash launch/gpu_check.sh --out /tmp/gpu_check", Run("--out gpu_check", expect="skipped")),
     ("python -m llama_train.bench.gpu_check --print-commands", Run()),
+    ("bash launch/gpu_bundle.sh", Needs("the network", "downloads wheels from the package index "
+                                                     "into .whl/ (~17 s)")),
     # ---- docs/data.md
     ("llama-data prepare --vocab-size 8192", Run("--vocab-size 512 --max-documents 300")),
     ("llama-data prepare --source 'corpus/*.jsonl' --vocab-size 32000 --num-proc 8",
