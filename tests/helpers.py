@@ -257,21 +257,16 @@ def world_of_one():
 
     from llama_train.engine import shutdown_distributed
 
-    before = {k: os.environ.get(k) for k in LAUNCH_VARS}
     threads = torch.get_num_threads()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    os.environ.pop("LLAMA_TRAIN_FAULTS", None)
-    try:
-        yield
-    finally:
-        shutdown_distributed()
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        torch.set_num_threads(threads)
+    with launch_vars_restored():
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.pop("LLAMA_TRAIN_FAULTS", None)
+        try:
+            yield
+        finally:
+            shutdown_distributed()
+            torch.set_num_threads(threads)
 
 
 def compose_cfg(overrides):

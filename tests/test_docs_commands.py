@@ -219,6 +219,7 @@ def _train_bench(w: Path, out: str) -> None:
 
 GPU8 = Needs("a GPU", "8 GPUs (--num_gpus 8 with NCCL)")
 
+USAGE = Needs("a template", "the usage line; the commands below fill it in")
 SELF = Needs("hours", "runs tests of this suite (make test runs them all)")
 SWEEP = Needs("hours", "a sweep directory: make scaling-demo's runs (~50 min on 2 cores); the "
               "same fits from a CSV run below")
@@ -431,14 +432,14 @@ TABLE: List[Tuple[str, object]] = [
     ("llama-plan fit half.csv --out half.png", Run(FIT)),
     # ---- docs/scaling.md
     ("llama-plan compute-optimal --flops C [--fit chinchilla|sardana|epoch|<yaml>]",
-     Needs("a template", "the usage line; the commands below fill it in")),
+     USAGE),
     ("llama-plan inference-optimal --inference-tokens D_inf (--flops C | --reference-params N "
      "[--reference-tokens D] | --loss L) [--fit ...]",
-     Needs("a template", "the usage line; the commands below fill it in")),
+     USAGE),
     ("llama-plan model-info --model <preset|yaml> [--zero-stage S --world-size W --micro-batch B "
-     "--seq-len T", Needs("a template", "the usage line; the commands below fill it in")),
+     "--seq-len T", USAGE),
     ("llama-plan shape --params N [--vocab V --max-seq-len T --count total|non_embedding "
-     "--tie-embeddings]", Needs("a template", "the usage line; the commands below fill it in")),
+     "--tie-embeddings]", USAGE),
     ("llama-plan fit <sweep_dir | runs.csv> [--out plot.png --save-fit fit.yaml --params "
      "total|non_embedding|both", Needs("a template", "the usage line; docs/scaling-fits.md's "
                                                      "commands fill it in")),
