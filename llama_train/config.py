@@ -322,6 +322,22 @@ class ScalingConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How ranks share the work beyond data parallelism."""
+
+    sequence: int = may_change(1)
+    """N > 1: DeepSpeed-Ulysses sequence parallelism. Each group of N consecutive ranks shares
+    every sequence: a rank holds seq_len / N tokens of it, and attention trades sequence for
+    heads with an all-to-all so each rank attends over the whole sequence for n_heads / N heads.
+    The data-parallel size becomes ranks / N. May change on resume (the global batch may not)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sequence, bool) or not isinstance(self.sequence, int) or self.sequence < 1:
+            raise ConfigError(f"parallel.sequence={self.sequence!r} must be a positive integer "
+                              f"(1: off; N: N ranks share each sequence)")
+
+
+@dataclass
 class Config:
     model: ModelArgs = field(default_factory=ModelArgs)
     data: DataConfig = field(default_factory=DataConfig)
@@ -332,6 +348,7 @@ class Config:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     tracking: TrackingConfig = may_change(factory=TrackingConfig)
     comm: CommConfig = may_change(factory=CommConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     experiment: Optional[Any] = None
 
@@ -426,7 +443,36 @@ def validate(cfg: Config, world_size: int, device: str) -> BatchPlan:
             f"sample.tokens, or set it to 0 for no sample.")
     if device == "cpu" and cfg.deepspeed.precision == "fp16":
         raise ConfigError("deepspeed.precision=fp16 is not supported on CPU: use fp32 (or bf16).")
-    return resolve_batch(t, world_size)
+    return resolve_batch(t, data_parallel_size(cfg, world_size))
+
+
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    """Ranks / parallel.sequence: how many different micro-batches a step trains at once.
+    Raises ConfigError (key and fix) for a sequence-parallel layout that cannot work."""
+    n, m = cfg.parallel.sequence, cfg.model
+    if n == 1:
+        return world_size
+    fix = "choose parallel.sequence among the common divisors, or 1 to turn it off"
+    if world_size % n:
+        raise ConfigError(f"parallel.sequence={n} does not divide the {world_size} rank(s): each "
+                          f"group of {n} ranks shares a sequence; {fix}.")
+    if cfg.trainer.seq_len % n:
+        raise ConfigError(f"trainer.seq_len={cfg.trainer.seq_len} is not divisible by "
+                          f"parallel.sequence={n}: each of the {n} ranks holds an equal slice; "
+                          f"{fix} (or change trainer.seq_len).")
+    if m.n_heads % n:
+        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by parallel.sequence={n}: "
+                          f"attention gives each rank n_heads / {n} heads; {fix}.")
+    if m.kv_heads % n and n % m.kv_heads:
+        raise ConfigError(
+            f"model.n_kv_heads={m.kv_heads} and parallel.sequence={n}: one must divide the other "
+            f"(each rank takes n_kv_heads / {n} key/value heads, or with fewer key/value heads "
+            f"than ranks each is copied to {n} // n_kv_heads ranks); {fix}.")
+    if cfg.comm.simulate_ranks:
+        raise ConfigError(f"parallel.sequence={n} with comm.simulate_ranks: a simulated rank has "
+                          f"no peers to exchange sequence slices with; set parallel.sequence=1 "
+                          f"to simulate the data-parallel layout.")
+    return world_size // n
 
 
 def config_warnings(cfg: Config) -> List[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
-from llama_train.config import BatchPlan, Config, validate
+from llama_train.config import BatchPlan, Config, data_parallel_size, validate
 from llama_train.preflight import plan_experiment, setup_logging
 
 GIB = 2 ** 30
@@ -27,7 +27,7 @@ def dry_run(cfg: Config) -> None:
 
     rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
     setup_logging(rt.rank, rt.is_main)
-    cfg, experiment = plan_experiment(cfg, rt.world_size)
+    cfg, experiment = plan_experiment(cfg, data_parallel_size(cfg, rt.world_size))
     plan = validate(cfg, rt.world_size, rt.device_type)
     if not rt.is_main:
         return
@@ -49,9 +49,14 @@ def dry_run(cfg: Config) -> None:
         f"{m.vocab_size}, ffn {m.ffn_hidden_dim}, max_seq_len {m.max_seq_len}"
         f"{', activation checkpointing' if m.activation_checkpointing else ''}",
         f"  parameters: {n['total']:,} total, {n['non_embedding']:,} non-embedding",
-        f"  batch: {rt.world_size} rank(s) x micro {plan.micro_batch} x accum {plan.grad_accum} = "
-        f"{plan.global_batch} sequences x {t.seq_len} tokens = {plan.tokens_per_step:,} "
-        f"tokens/step",
+        f"  batch: {plan.world_size} {'data-parallel ' if cfg.parallel.sequence > 1 else ''}"
+        f"rank(s) x micro {plan.micro_batch} x accum "
+        f"{plan.grad_accum} = {plan.global_batch} sequences x {t.seq_len} tokens = "
+        f"{plan.tokens_per_step:,} tokens/step",
+        *([f"  sequence parallelism: {cfg.parallel.sequence} ranks share each sequence "
+           f"({t.seq_len // cfg.parallel.sequence} tokens and {m.n_heads // cfg.parallel.sequence}"
+           f" of {m.n_heads} heads each in attention; DeepSpeed-Ulysses all-to-all), "
+           f"{rt.world_size} ranks in all"] if cfg.parallel.sequence > 1 else []),
         f"  engine: DeepSpeed ZeRO-{ds.zero_stage}, {precision} on {rt.device_type}, "
         f"{'offload of the ' + ' and '.join(offload) + ' to CPU' if offload else 'no offload'}",
         *_memory_lines(cfg, m, plan, rt, precision),
@@ -81,7 +86,7 @@ def print_job_config(overrides: List[str]) -> None:
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = load_config(compose("config", overrides=list(overrides)))
     rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
-    cfg, experiment = plan_experiment(cfg, rt.world_size)
+    cfg, experiment = plan_experiment(cfg, data_parallel_size(cfg, rt.world_size))
     validate(cfg, rt.world_size, rt.device_type)
     head = ("# llama-train --cfg job: the config this command trains with"
             + (f" (experiment: {experiment.describe()})" if experiment else "")

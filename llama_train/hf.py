@@ -72,8 +72,10 @@ def to_hf_config(args: ModelArgs, *, bos_token_id: Optional[int] = 1, eos_token_
                  pad_token_id: Optional[int] = None, torch_dtype: str = "float32") -> dict:
     """A ``transformers.LlamaConfig`` dict (config.json) for these args.
 
-    rope_theta is written both flat (transformers 4) and as ``rope_parameters`` (transformers 5).
+    RoPE is written both the transformers 4 way (flat ``rope_theta``, ``rope_scaling``) and the
+    transformers 5 way (``rope_parameters``), so either version reads it.
     """
+    scaling = _hf_rope_scaling(args)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -86,8 +88,8 @@ def to_hf_config(args: ModelArgs, *, bos_token_id: Optional[int] = 1, eos_token_
         "hidden_act": "silu",
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": args.rope_theta},
+        "rope_scaling": scaling,
         "vocab_size": args.vocab_size,
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings,
@@ -105,16 +107,56 @@ def to_hf_config(args: ModelArgs, *, bos_token_id: Optional[int] = 1, eos_token_
     }
 
 
+_LLAMA3_ROPE_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _hf_rope_scaling(args: ModelArgs) -> Optional[dict]:
+    """Hugging Face's ``rope_scaling`` dict for our ``model.rope_scaling`` (None: plain RoPE)."""
+    rs = args.rope_scaling
+    if rs.type == "default":
+        return None
+    out = {"rope_type": rs.type, "factor": rs.factor}
+    if rs.type == "llama3":
+        out.update({k: getattr(rs, k) for k in _LLAMA3_ROPE_KEYS})
+    return out
+
+
+def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, dict]:
+    """(rope_theta, our rope_scaling dict) from a config.json of transformers 4 or 5; refuses RoPE
+    types this model does not implement (dynamic, yarn, longrope ...) instead of importing a model
+    that would compute something else."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or rope)
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return theta, {}
+    if kind not in ("linear", "llama3"):
+        raise ValueError(f"HF config uses RoPE scaling of type {kind!r} ({scaling}); this model "
+                         f"implements default, linear and llama3 (model.rope_scaling.type)")
+    extra = float(scaling.get("attention_factor") or 1.0)
+    if extra != 1.0:
+        raise ValueError(f"HF config rope attention_factor={extra} is not supported (only 1.0)")
+    out = {"type": kind, "factor": float(scaling.get("factor", 1.0))}
+    if kind == "llama3":
+        missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling]
+        if missing:
+            raise ValueError(f"HF config's llama3 RoPE scaling lacks {', '.join(missing)}: {scaling}")
+        out.update({k: scaling[k] for k in _LLAMA3_ROPE_KEYS})
+    return theta, out
+
+
 def _ffn_settings(dim: int, intermediate: int) -> tuple[int, Optional[float]]:
     """(multiple_of, ffn_dim_multiplier) for which ``ModelArgs.ffn_hidden_dim == intermediate``.
 
-    Prefers Meta's published recipes (plain rule with multiple_of 256 ..., or x1.3 with 4096/1024)
+    Prefers Meta's published recipes (plain rule with multiple_of 256 ..., x1.3 with 4096/1024, or
+    x1.2 with 4096 as in Llama 3.1 405B)
     so LLaMA checkpoints come back with their params.json values; otherwise falls back to
     ``multiple_of = intermediate`` (with a multiplier < 1 when intermediate is below the plain
     rule's 8/3 * dim), which rounds to ``intermediate`` exactly by construction.
     """
     candidates = [(m, None) for m in (256, 128, 64, 32, 16, 8, 4, 2, 1)]
-    candidates += [(m, 1.3) for m in (4096, 1024, 2048, 512, 256)]
+    candidates += [(m, x) for x in (1.3, 1.2) for m in (4096, 1024, 2048, 512, 256)]
     for mult_of, mult in candidates:
         if ffn_hidden_dim(dim, mult_of, mult) == intermediate:
             return mult_of, mult
@@ -139,12 +181,7 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
     for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if key in cfg and cfg[key] != ok:
             raise ValueError(f"HF config {key}={cfg[key]!r} is not supported (this model needs {ok!r})")
-    rope = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if scaling or rope_type != "default":
-        raise ValueError(f"HF config uses RoPE scaling ({scaling or rope}); only default RoPE is implemented")
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta, rope_scaling = _rope_from_hf(cfg)
 
     dim, n_heads = need("hidden_size"), need("num_attention_heads")
     head_dim = cfg.get("head_dim")
@@ -156,7 +193,7 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
     return ModelArgs(
         dim=dim, n_layers=need("num_hidden_layers"), n_heads=n_heads, n_kv_heads=None if kv == n_heads else kv,
         vocab_size=need("vocab_size"), multiple_of=multiple_of, ffn_dim_multiplier=mult,
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=rope_scaling,
         max_seq_len=cfg.get("max_position_embeddings", 2048),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         init_std=float(cfg.get("initializer_range", 0.02)),

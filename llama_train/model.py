@@ -35,17 +35,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from llama_train.model_args import (ModelArgs, count_params, ffn_hidden_dim, flops_per_token,
-                                    list_presets, load_preset)
+from llama_train.model_args import (ModelArgs, RopeScaling, count_params, ffn_hidden_dim,
+                                    flops_per_token, list_presets, load_preset)
 from llama_train.model_ops import (apply_rotary_emb, cross_entropy, document_ids, document_mask,
-                                   rope_tables, sample_next_token)
+                                   rope_inv_freq, rope_tables, sample_next_token)
 
 # model_args' and model_ops' names are this module's API too (from llama_train.model import
 # ModelArgs, document_ids): model_args holds the torch-free config half (ModelArgs, counts, presets)
-__all__ = ["ModelArgs", "ffn_hidden_dim", "count_params", "flops_per_token", "list_presets",
-           "load_preset", "RMSNorm", "KVCache", "Attention", "FeedForward", "TransformerBlock",
+__all__ = ["ModelArgs", "RopeScaling", "ffn_hidden_dim", "count_params", "flops_per_token",
+           "list_presets", "load_preset", "RMSNorm", "KVCache", "CoreAttention", "Attention",
+           "FeedForward", "TransformerBlock",
            "Transformer", "apply_rotary_emb", "cross_entropy", "document_ids", "document_mask",
-           "rope_tables", "sample_next_token"]
+           "rope_inv_freq", "rope_tables", "sample_next_token"]
 
 # `enable_gqa` appeared in torch 2.5; older torch gets the K/V heads repeated explicitly.
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2] if p.isdigit()) >= (2, 5)
@@ -100,6 +101,31 @@ class KVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
 
 
+class CoreAttention(nn.Module):
+    """``softmax(q k^T / sqrt(hd) + mask) v`` over (B, T, heads, hd) inputs, K/V heads grouped
+    (GQA). No parameters: the part of attention that sequence parallelism wraps
+    (``llama_train.engine.sequence`` puts DeepSpeed's Ulysses all-to-all around it, so each rank
+    runs it on the whole sequence for a share of the heads)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: Optional[torch.Tensor] = None, causal: bool = True) -> torch.Tensor:
+        """q (B, T, H, hd), k and v (B, S, KV, hd); ``mask``: boolean or additive, broadcast to
+        (B, H, T, S), replacing ``causal``. Returns (B, T, H, hd)."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
+        gqa = k.size(1) != q.size(1)
+        if gqa and mask is not None and q.device.type in _MASKED_GQA_EXPANDS_KV:
+            rep = q.size(1) // k.size(1)
+            k, v, gqa = _repeat_kv(k, rep), _repeat_kv(v, rep), False  # (B, H, S, hd)
+        if _SDPA_HAS_GQA:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                 enable_gqa=gqa)
+        else:  # pragma: no cover - torch < 2.5
+            rep = q.size(1) // k.size(1)  # 1 if already repeated for a mask
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return out.transpose(1, 2)  # (B, T, H, hd)
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query K/V heads and RoPE, no biases."""
 
@@ -111,6 +137,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, kv, bias=False, device=device)
         self.wv = nn.Linear(args.dim, kv, bias=False, device=device)
         self.wo = nn.Linear(q, args.dim, bias=False, device=device)
+        self.core = CoreAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None, start_pos: int = 0,
@@ -121,40 +148,29 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
-        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
+        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)  # (B, T, heads, hd)
 
-        mask, causal = None, T > 1
-        if cache is not None:
+        if cache is None:
+            mask = None if doc_mask is None else doc_mask.to(q.dtype)  # a no-op unless autocast
+            out = self.core(q, k, v, mask=mask, causal=mask is None)
+        else:
+            # decoding runs on one rank, whatever wraps the core for training
+            core = getattr(self.core, "local", self.core)
             k_cache, v_cache = cache  # (B, KV, max_len, hd)
             end = start_pos + T
-            k_cache[:B, :, start_pos:end] = k
-            v_cache[:B, :, start_pos:end] = v
-            k, v = k_cache[:B, :, :end], v_cache[:B, :, :end]  # (B, KV, S, hd)
+            k_cache[:B, :, start_pos:end] = k.transpose(1, 2)
+            v_cache[:B, :, start_pos:end] = v.transpose(1, 2)
+            k = k_cache[:B, :, :end].transpose(1, 2)  # (B, S, KV, hd)
+            v = v_cache[:B, :, :end].transpose(1, 2)
+            mask = None
             if start_pos > 0 and T > 1:
                 # SDPA's is_causal aligns the mask top-left, wrong for a chunk after a prefix:
                 # query i sits at absolute position start_pos + i and sees keys 0..start_pos + i.
                 q_pos = torch.arange(start_pos, end, device=x.device)
                 mask = torch.arange(end, device=x.device)[None, :] <= q_pos[:, None]  # (T, S)
-                causal = False
-            elif T == 1:
-                causal = False  # one new token sees the whole prefix
-
-        gqa = self.n_kv_heads != self.n_heads
-        if doc_mask is not None:
-            mask, causal = doc_mask.to(q.dtype), False  # a no-op unless under autocast
-            if gqa and q.device.type in _MASKED_GQA_EXPANDS_KV:
-                rep = self.n_heads // self.n_kv_heads
-                k, v, gqa = _repeat_kv(k, rep), _repeat_kv(v, rep), False  # (B, H, T, hd)
-        if _SDPA_HAS_GQA:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                 enable_gqa=gqa)
-        else:  # pragma: no cover - torch < 2.5
-            rep = self.n_heads // k.size(1)  # 1 if already repeated for a mask
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*hd)
-        return self.wo(out)
+            # one new token (T == 1) sees the whole prefix
+            out = core(q, k, v, mask=mask, causal=mask is None and T > 1 and start_pos == 0)
+        return self.wo(out.reshape(B, T, self.n_heads * self.head_dim))  # (B, T, H*hd)
 
 
 class FeedForward(nn.Module):
@@ -270,7 +286,7 @@ class Transformer(nn.Module):
         """(Re)compute the fp32 RoPE tables on the model's device."""
         self.rope_cos, self.rope_sin = rope_tables(
             self.args.head_dim, self.args.max_seq_len, self.args.rope_theta,
-            device=self.rope_cos.device)
+            device=self.rope_cos.device, scaling=self.args.rope_scaling)
 
     def new_kv_cache(self, batch_size: int, max_len: Optional[int] = None,
                      dtype: Optional[torch.dtype] = None) -> KVCache:
@@ -293,6 +309,10 @@ class Transformer(nn.Module):
         ``doc_ids`` (B, T), e.g. ``document_ids(tokens, eos_id)``: a token attends only to earlier
         tokens with the same id (document masking of packed windows). Without it attention is
         plain causal. Training/scoring only: refused with ``kv_cache``.
+
+        Sequence parallelism (attention cores wrapped by ``llama_train.engine.sequence``):
+        ``tokens`` are this rank's slice of each sequence, starting at ``start_pos``, and
+        ``doc_ids`` are (B, S) for the whole sequence, since attention sees all of it.
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq_len), got shape {tuple(tokens.shape)}")
@@ -303,9 +323,11 @@ class Transformer(nn.Module):
                     "doc_ids (document masking) cannot be combined with kv_cache: the cache serves "
                     "incremental decoding of one sequence per row; pass doc_ids only to full "
                     "forwards (training, scoring) and decode without it")
-            if tuple(doc_ids.shape) != (B, T):
-                raise ValueError(f"doc_ids must have the shape of tokens {(B, T)}, got "
-                                 f"{tuple(doc_ids.shape)}")
+            S = doc_ids.size(-1)
+            whole = S == T or (S % T == 0 and start_pos % T == 0 and start_pos + T <= S)
+            if doc_ids.dim() != 2 or doc_ids.size(0) != B or not whole:
+                raise ValueError(f"doc_ids must have the shape of tokens {(B, T)} (or of the "
+                                 f"whole sequence they are a slice of), got {tuple(doc_ids.shape)}")
         end = start_pos + T
         limit = self.args.max_seq_len if kv_cache is None else min(kv_cache.max_len, self.args.max_seq_len)
         if start_pos < 0 or end > limit:
@@ -316,7 +338,7 @@ class Transformer(nn.Module):
 
         h = self.tok_embeddings(tokens)  # (B, T, D)
         # Built once here and shared by every layer (one tensor saved for backward, not n_layers).
-        doc_mask = None if doc_ids is None else document_mask(doc_ids, dtype=h.dtype)  # (B, 1, T, T)
+        doc_mask = None if doc_ids is None else document_mask(doc_ids, dtype=h.dtype)  # (B, 1, S, S)
         ckpt = self.args.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             if kv_cache is not None:

@@ -7,13 +7,74 @@ network from it and re-exports every name here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 from llama_train.policy import may_change
 
+ROPE_SCALING_TYPES = ("default", "linear", "llama3")
 
+
+@dataclass
+class RopeScaling:
+    """How RoPE frequencies are stretched so a model reaches past the context it was trained at.
+
+    ``default``: none. ``linear``: every frequency divided by ``factor`` (position interpolation,
+    Chen et al. 2023). ``llama3`` (Llama 3.1-3.3): wavelengths shorter than
+    ``original_max_position_embeddings / high_freq_factor`` are kept, those longer than
+    ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, and the
+    band between is interpolated smoothly. Keys under ``model.rope_scaling``; the names are
+    Hugging Face's ``rope_scaling`` ones, so converters copy them across.
+    """
+
+    type: str = "default"
+    """default | linear | llama3 (Hugging Face's ``rope_type``)."""
+    factor: float = 1.0
+    """How many times longer the target context is than the original (Llama 3.1: 8)."""
+    low_freq_factor: float = 1.0
+    """llama3 only: wavelengths above original/low_freq_factor are scaled fully."""
+    high_freq_factor: float = 4.0
+    """llama3 only: wavelengths below original/high_freq_factor are left alone."""
+    original_max_position_embeddings: int = 8192
+    """llama3 only: the context the model was pretrained at (Llama 3: 8192)."""
+
+    def check(self) -> None:
+        if self.type not in ROPE_SCALING_TYPES:
+            raise ValueError(f"model.rope_scaling.type={self.type!r} is not supported: choose one of "
+                             f"{', '.join(ROPE_SCALING_TYPES)}")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            setattr(self, name, _check_positive_float(f"rope_scaling.{name}", getattr(self, name)))
+        _check_positive_int("rope_scaling.original_max_position_embeddings",
+                            self.original_max_position_embeddings)
+        if self.type != "default" and self.factor < 1.0:
+            raise ValueError(f"model.rope_scaling.factor={self.factor} must be >= 1: it stretches the "
+                             f"context by that many times (Llama 3.1 uses 8)")
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must be greater than "
+                f"low_freq_factor={self.low_freq_factor} (Llama 3.1: 4 and 1): the band between "
+                f"them is interpolated")
+
+    @classmethod
+    def coerce(cls, value: Any) -> "RopeScaling":
+        """From None, a mapping (a checkpoint's model_args.json, a plain dict) or itself."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            keys = ", ".join(f.name for f in fields(cls))
+            raise ValueError(f"model.rope_scaling must be a mapping of {keys}, got {value!r}")
+        d = dict(value)
+        if "rope_type" in d and "type" not in d:  # Hugging Face's spelling
+            d["type"] = d.pop("rope_type")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join('model.rope_scaling.' + k for k in unknown)}:"
+                             f" valid keys are {', '.join(sorted(known))}")
+        return cls(**d)
 
 
 @dataclass
@@ -36,6 +97,8 @@ class ModelArgs:
     """Scales the SwiGLU hidden size before rounding (LLaMA-2 70B and LLaMA-3 use 1.3)."""
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    """Frequency scaling for a context beyond the pretraining one (Llama 3.1: type llama3)."""
     max_seq_len: int = 256
     """Longest sequence the RoPE tables (and the KV cache) cover."""
     tie_embeddings: bool = False
@@ -55,6 +118,8 @@ class ModelArgs:
             self.ffn_dim_multiplier = _check_positive_float(
                 "ffn_dim_multiplier", self.ffn_dim_multiplier,
                 hint="use null for the plain LLaMA rule, or e.g. 1.3 as in LLaMA-3")
+        self.rope_scaling = RopeScaling.coerce(self.rope_scaling)
+        self.rope_scaling.check()
         for name in ("tie_embeddings", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} must be true or false")

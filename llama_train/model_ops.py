@@ -1,6 +1,6 @@
 """The tensor functions of the LLaMA model (llama_train.model, which re-exports every one):
-RoPE tables and the interleaved-pair rotation, the cross-entropy with a lean backward, document
-masks of packed windows, and next-token sampling. Plain torch: no nn.Module, no ModelArgs, no
+RoPE frequencies (with Llama 3.1's scaling), tables and the interleaved-pair rotation, the
+cross-entropy with a lean backward, document masks of packed windows, and next-token sampling. Plain torch: no nn.Module, no ModelArgs, no
 DeepSpeed or process groups.
 
 RoPE convention and document masking: see llama_train.model's module docstring.
@@ -8,16 +8,40 @@ RoPE convention and document masking: see llama_train.model's module docstring.
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float,
-                device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos/sin tables, each (max_seq_len, head_dim // 2); pair i turns at ``theta^(-2i/hd)``."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: Any = None,
+                  device: Optional[torch.device] = None) -> torch.Tensor:
+    """fp32 (head_dim // 2,) angular frequencies: pair i turns at ``theta^(-2i/hd)`` radians per
+    position, stretched by ``scaling`` (a :class:`llama_train.model_args.RopeScaling`; None or
+    type ``default`` leaves them alone)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    kind = "default" if scaling is None else scaling.type
+    if kind == "linear":
+        return inv_freq / scaling.factor
+    if kind == "llama3":
+        # Meta's apply_scaling (Llama 3.1): keep short wavelengths, divide long ones by factor,
+        # blend linearly in 1/wavelength across the band between.
+        old = scaling.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        lo, hi = scaling.low_freq_factor, scaling.high_freq_factor
+        smooth = (old / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        out = torch.where(wavelen > old / lo, inv_freq / scaling.factor, blended)
+        return torch.where(wavelen < old / hi, inv_freq, out)
+    return inv_freq
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                device: Optional[torch.device] = None,
+                scaling: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin tables, each (max_seq_len, head_dim // 2), from :func:`rope_inv_freq`."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, device=device)
     pos = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(pos, inv_freq)  # (max_seq_len, hd/2)
     return angles.cos(), angles.sin()

@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from llama_train.config import (BatchPlan, Config, ConfigError, config_warnings, resolve_batch,
-                                to_container, validate)
+from llama_train.config import (BatchPlan, Config, ConfigError, config_warnings,
+                                data_parallel_size, resolve_batch, to_container, validate)
 
 log = logging.getLogger("llama_train")
 
@@ -91,9 +91,10 @@ def preflight(cfg: Config) -> Preflight:
 
         log.warning("%s", start_warning(rt.world_size, rt.rank))
         cfg = simulation_config(cfg)
-    cfg, experiment = plan_experiment(cfg, rt.world_size)
+    dp = data_parallel_size(cfg, rt.world_size)  # ranks / parallel.sequence
+    cfg, experiment = plan_experiment(cfg, dp)
     candidate = _resume_candidate(cfg)  # looked for once: a file may change between looks
-    cfg = _keep_checkpoint_batch(cfg, candidate, rt.world_size, rt.is_main)
+    cfg = _keep_checkpoint_batch(cfg, candidate, dp, rt.is_main)
     plan = validate(cfg, rt.world_size, rt.device_type)
     if rt.is_main:
         for warning in config_warnings(cfg):

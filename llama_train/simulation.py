@@ -120,7 +120,8 @@ def planned(cfg, model_args, plan, precision: str, world: int, device: str,
             model_args, zero_stage=ds.zero_stage, world_size=world, dtype=precision,
             micro_batch=plan.micro_batch, seq_len=plan.seq_len,
             offload_optimizer=ds.offload_optimizer, offload_params=ds.offload_params,
-            device=device, ds=ds, gloo_copies=gloo_copies)
+            device=device, ds=ds, gloo_copies=gloo_copies,
+            sequence_parallel=cfg.parallel.sequence)
     except ValueError as e:  # ScalingError: settings the planner does not model
         return {"error": str(e)}
 

@@ -36,16 +36,23 @@ class BatchResult:
 class TrainModule:
     """Trains one global batch on this rank's slice of it (``plan.grad_accum`` micro-batches of
     ``plan.micro_batch`` sequences) and evaluates micro-batches, with the model's document mask
-    when ``document_mask``. ``hooks``' ``on_loss`` sees each micro-batch's loss."""
+    when ``document_mask``. ``hooks``' ``on_loss`` sees each micro-batch's loss.
+
+    ``sequence=(r, N)`` (parallel.sequence=N, r this rank's place in its group): the N ranks of
+    a group get the same micro-batches and each trains tokens [r*T/N, (r+1)*T/N) of every
+    sequence, its loss weighted by its share of the group's target tokens (DeepSpeed sums
+    gradients over the group and averages over data-parallel replicas), so the step is the
+    token mean over the global batch as without it."""
 
     def __init__(self, engine, plan: BatchPlan, device: torch.device, optim: OptimConfig,
                  max_steps: int, *, vocab_size: int, eos_id: int, document_mask: bool,
-                 data_dir: str, hooks: Sequence[Hook] = ()):
+                 data_dir: str, hooks: Sequence[Hook] = (), sequence: Tuple[int, int] = (0, 1)):
         self.engine, self.plan, self.device = engine, plan, device
         self.optim, self.max_steps = optim, max_steps
         self.vocab_size, self.eos_id, self.document_mask = vocab_size, eos_id, document_mask
         self.data_dir = data_dir  # named when a batch holds token ids outside the vocabulary
         self.hooks = list(hooks)
+        self.sp_rank, self.sp_size = sequence
 
     def lr_at(self, step: int) -> float:
         """Linear warmup, then cosine decay to ``lr * min_lr_ratio`` at ``max_steps``."""
@@ -71,7 +78,7 @@ class TrainModule:
             check_token_ids(x, y, self.vocab_size, self.data_dir, window_start)
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
-            _, loss = self.engine(x, y, **self.masking(x))
+            loss = self._loss(x, y)
             for h in self.hooks:
                 loss = h.on_loss(batch_no, loss)
             self.engine.backward(loss)
@@ -84,18 +91,39 @@ class TrainModule:
             torch.cuda.synchronize()
         return BatchResult(loss, lr, result, data_wait, stop_requested)
 
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> Tuple[torch.Tensor, int]:
-        """(token-mean loss, number of target tokens) of one evaluation micro-batch; the caller
-        holds ``torch.no_grad`` and the engine in eval mode."""
-        x = x.to(self.device)
-        _, loss = self.engine(x, y.to(self.device), **self.masking(x))
-        return loss, int((y != -100).sum())
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the micro-batch's token-mean loss (all of it without sequence
+        parallelism)."""
+        xs, ys, kwargs = self.inputs(x, y)
+        logits, loss = self.engine(xs, ys, **kwargs)
+        if self.sp_size == 1:
+            return loss
+        mine, everyone = int((ys != -100).sum()), int((y != -100).sum())
+        if mine == 0:  # no target here: nothing to add, but the backward runs on every rank
+            return logits.sum() * 0.0
+        return loss * (mine / everyone)
 
-    def masking(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """trainer.document_mask: the forward's ``doc_ids`` (B, T), documents ending at EOS."""
-        if not self.document_mask:
-            return {}
-        return {"doc_ids": document_ids(x, self.eos_id)}
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> Tuple[torch.Tensor, int]:
+        """(token-mean loss, number of target tokens) of this rank's part of one evaluation
+        micro-batch; the caller holds ``torch.no_grad`` and the engine in eval mode."""
+        xs, ys, kwargs = self.inputs(x.to(self.device), y.to(self.device))
+        _, loss = self.engine(xs, ys, **kwargs)
+        return loss, int((ys != -100).sum())
+
+    def inputs(self, x: torch.Tensor, y: torch.Tensor):
+        """(tokens, targets, forward kwargs) this rank feeds the model: with
+        trainer.document_mask the ``doc_ids`` of the whole window (documents ending at EOS);
+        with sequence parallelism this rank's slice of the tokens and targets and its first
+        position (attention sees the whole window, so the document ids stay whole)."""
+        kwargs: Dict[str, Any] = {}
+        if self.document_mask:
+            kwargs["doc_ids"] = document_ids(x, self.eos_id)  # (B, T)
+        if self.sp_size == 1:
+            return x, y, kwargs
+        part = x.size(1) // self.sp_size
+        lo = self.sp_rank * part
+        kwargs["start_pos"] = lo
+        return x[:, lo:lo + part], y[:, lo:lo + part], kwargs  # (B, T/N)
 
     def _all_ranks(self, loss_sum: torch.Tensor, stop_received: bool):
         """One small all-reduce per step: the mean loss (NaN if any rank saw a non-finite one),

@@ -204,16 +204,21 @@ class Trainer:
         # comm.simulate_ranks: this rank's phases measured (the idle baseline is read here)
         self.sim = (Simulation(rt, cfg, self.model_args, self.plan, precision)
                     if rt.simulated else None)
+        # parallel.sequence=N: groups of N consecutive ranks share each sequence, so the
+        # data-parallel rank is rank // N of plan.world_size = ranks / N
+        self.seq_mpu = eng.init_sequence_parallel(cfg.parallel.sequence)
+        self.dp_rank = rt.rank // cfg.parallel.sequence
         self.engine = self._build_engine()
         self.eos_id = int(self.prepared.meta["tokenizer"]["eos_id"])  # documents end with it
         self.module = TrainModule(self.engine, self.plan, rt.device, cfg.optim, t.max_steps,
                                   vocab_size=self.model_args.vocab_size, eos_id=self.eos_id,
                                   document_mask=t.document_mask, data_dir=self.prepared.dir,
-                                  hooks=self.hooks)
+                                  hooks=self.hooks,
+                                  sequence=(eng.sequence_rank(self.seq_mpu), cfg.parallel.sequence))
         self.loader = TrainLoader(self.prepared.dir, seq_len=t.seq_len,
                                   global_batch=self.plan.global_batch,
-                                  micro_batch=self.plan.micro_batch, dp_rank=rt.rank,
-                                  dp_world=rt.world_size, seed=cfg.data.seed,
+                                  micro_batch=self.plan.micro_batch, dp_rank=self.dp_rank,
+                                  dp_world=self.plan.world_size, seed=cfg.data.seed,
                                   num_workers=cfg.data.num_workers,
                                   pin_memory=rt.device_type == "cuda",
                                   data_timeout_s=cfg.comm.timeout_s)
@@ -240,17 +245,20 @@ class Trainer:
                                         self.rt.device_type, universal=self.universal,
                                         model_dim=self.model_args.dim)
         with self._phase("build"):
-            model = eng.build_model(self.model_args, ds_config, self.rt.device, t.seed)
+            model = eng.build_model(self.model_args, ds_config, self.rt.device, t.seed,
+                                    mpu=self.seq_mpu)
             if t.init_from and self.resume_from is None:
                 check_init_from(t.init_from, self.model_args)
                 eng.load_full_state(model, read_init_from(t.init_from, with_weights=True)[1],
                                     zero)
                 log.info("initialised weights from %s", t.init_from)
+        eng.shard_attention(model, self.seq_mpu)  # parallel.sequence > 1 only
         if t.compile:
             for block in model.layers:
                 block.compile()  # in place: parameter names stay those of the plain model
         with self._phase("initialize"):
-            engine = eng.initialize(model, param_groups(model, self.cfg.optim), ds_config)
+            engine = eng.initialize(model, param_groups(model, self.cfg.optim), ds_config,
+                                    mpu=self.seq_mpu)
         return engine if self.sim is None else MeteredEngine(engine, self.sim)
 
     def _phase(self, name: str):
@@ -262,10 +270,12 @@ class Trainer:
             return
         n = count_params(self.model_args)
         p = self.plan
-        log.info("model: %s params (%s non-embedding); %d ranks x micro %d x accum %d = global "
+        sp = self.cfg.parallel.sequence
+        log.info("model: %s params (%s non-embedding); %d ranks%s x micro %d x accum %d = global "
                  "batch %d x %d tokens; ZeRO-%d %s on %s; MFU against %.3g FLOP/s (%s), fixed "
-                 "for the run", f"{n['total']:,}", f"{n['non_embedding']:,}",
-                 self.rt.world_size, p.micro_batch, p.grad_accum, p.global_batch, p.seq_len,
+                 "for the run", f"{n['total']:,}", f"{n['non_embedding']:,}", self.rt.world_size,
+                 f" / sequence parallel {sp}" if sp > 1 else "", p.micro_batch, p.grad_accum,
+                 p.global_batch, p.seq_len,
                  self.cfg.deepspeed.zero_stage, precision, self.rt.device_type, self.peak.value,
                  self.peak.source)
         if not self.has_val:
@@ -420,8 +430,8 @@ class Trainer:
         t, rt = self.cfg.trainer, self.rt
         t0 = time.perf_counter()
         self.engine.eval()
-        sets = eval_sets(self.prepared.dir, t.seq_len, t.micro_batch, t.eval_sequences, rt.rank,
-                         rt.world_size)
+        sets = eval_sets(self.prepared.dir, t.seq_len, t.micro_batch, t.eval_sequences,
+                         self.dp_rank, self.plan.world_size)
         total = torch.zeros(len(sets), 2, dtype=torch.float64)  # per set: [loss sum, tokens]
         with torch.no_grad(), watchdog.phase("eval"):
             for i, (_, _, batches) in enumerate(sets):

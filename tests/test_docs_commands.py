@@ -386,6 +386,21 @@ TABLE: List[Tuple[str, object]] = [
     ("llama-train model=llama2_70b deepspeed.zero_stage=3 deepspeed.precision=bf16 "
      "comm.simulate_ranks=512 trainer.max_steps=2 trainer.output_dir=/tmp/sim-70b",
      Needs("a template", "the README's simulation with an output directory; it runs above")),
+    # ---- docs/long-context.md (its llama-export line: the README's, above)
+    ("llama-plan model-info --model llama3_1_8b --zero-stage 3 --world-size 64 --seq-len 32768 "
+     "--activation-checkpointing --sequence-parallel 8",
+     Run(expect="8 ranks sharing each sequence")),
+    ("DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module llama_train.train "
+     "trainer.init_from=out/hf_model model.rope_scaling.type=llama3 model.rope_scaling.factor=4 "
+     "model.rope_scaling.original_max_position_embeddings=512 model.max_seq_len=2048 "
+     "trainer.seq_len=2048 parallel.sequence=2 trainer.output_dir=outputs/long-context",
+     # out/hf_model is the tiny model here (the README's make train above): its 256 tokens, x2
+     Run(f"{STEPS} model=tiny model.rope_scaling.original_max_position_embeddings=256 "
+         "model.max_seq_len=512 trainer.seq_len=512 deepspeed.precision=fp32",
+         expect="run complete")),
+    ("deepspeed --num_gpus 8 --module llama_train.train model=llama3_1_8b "
+     "trainer.init_from=/models/llama3-8b-hf deepspeed=zero3 model.activation_checkpointing=true "
+     "trainer.seq_len=32768 parallel.sequence=4", GPU8),
     # ---- docs/model.md (and its first llama-generate line: the README's, above)
     ("llama-generate out/hf_model --prompt-file prompt.txt --temperature 0",
      Run("--max-new-tokens 4", expect="new tokens")),

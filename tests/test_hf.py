@@ -22,7 +22,7 @@ from llama_train.hf import (
     to_hf_config,
     to_hf_state_dict,
 )
-from llama_train.model import ModelArgs, Transformer, load_preset
+from llama_train.model import ModelArgs, RopeScaling, Transformer, load_preset
 
 transformers = pytest.importorskip("transformers")
 spm = pytest.importorskip("sentencepiece")
@@ -82,6 +82,44 @@ def test_hf_to_ours_logits_match():
         torch.testing.assert_close(m(x), hf(x).logits, atol=1e-4, rtol=0)
 
 
+# head_dim 16 at theta 31337 with an original context of 32: the first pair's wavelength is kept,
+# the second blended, the rest divided by factor; 128 tokens reach 4x past the original context
+SCALED = {
+    "llama3": RopeScaling(type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=32),
+    "linear": RopeScaling(type="linear", factor=4.0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SCALED))
+def test_rope_scaling_logits_match_hf_beyond_the_original_context(kind, tmp_path):
+    args = replace(ARGS, max_seq_len=128, rope_scaling=SCALED[kind])
+    m = ours(args)
+    hf = hf_model(args)
+    hf.load_state_dict(to_hf_state_dict(m.state_dict(), args), strict=True)
+    x = torch.randint(0, args.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
+    plain = ours(replace(args, rope_scaling=RopeScaling()))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, m(x), atol=1e-4, rtol=0)
+        # the scaling is live: unscaled RoPE gives other logits from the same weights
+        assert (plain(x) - m(x)).abs().max() > 1e-2
+    # transformers' own saved config (its version's layout) imports back to the same args,
+    # and so does our config.json
+    for cfg in (hf.config.to_dict(), to_hf_config(args)):
+        back = from_hf_config(cfg)
+        assert (back.rope_scaling, back.rope_theta, back.max_seq_len) == (
+            args.rope_scaling, args.rope_theta, args.max_seq_len)
+        assert back.shape_differences(args) == []
+    # llama-export then llama-import carry it: the same function comes back
+    export_hf(args, m.state_dict(), tmp_path / "hf")
+    back_args, back_sd = import_hf(tmp_path / "hf")
+    assert back_args.rope_scaling == args.rope_scaling
+    again = Transformer(back_args).eval()
+    again.load_state_dict(back_sd)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), m(x), atol=1e-5, rtol=0)
+
+
 def test_state_dict_conversion_is_an_exact_inverse():
     m = ours(ARGS)
     sd = m.state_dict()
@@ -96,7 +134,8 @@ def test_state_dict_conversion_is_an_exact_inverse():
 
 
 def test_config_round_trip_recovers_published_ffn_settings():
-    for name in ("llama1_7b", "llama1_33b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b"):
+    for name in ("llama1_7b", "llama1_33b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b",
+                 "llama3_1_8b", "llama3_1_70b", "llama3_1_405b"):
         args = load_preset(name)
         assert from_hf_config(to_hf_config(args)) == args, name
     for dim, inter in [(64, 100), (64, 5), (128, 384), (4096, 11008), (96, 4096)]:
@@ -119,8 +158,12 @@ def test_conversion_errors_are_clear():
         to_hf_state_dict(wrapped, ARGS)
     cfg = to_hf_config(ARGS)
     cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
-    with pytest.raises(ValueError, match="RoPE scaling"):
+    with pytest.raises(ValueError, match="lacks low_freq_factor, high_freq_factor"):
         from_hf_config(cfg)
+    for kind in ("dynamic", "yarn", "longrope"):
+        cfg["rope_scaling"] = {"rope_type": kind, "factor": 8.0}
+        with pytest.raises(ValueError, match=f"RoPE scaling of type '{kind}'"):
+            from_hf_config(cfg)
     with pytest.raises(ValueError, match="model_type"):
         from_hf_config({**to_hf_config(ARGS), "model_type": "gpt2"})
 

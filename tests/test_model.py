@@ -19,13 +19,14 @@ from llama_train.model import (
     flops_per_token,
     list_presets,
     load_preset,
+    rope_inv_freq,
     rope_tables,
     sample_next_token,
 )
 from llama_train.paths import CONFIG_DIR
 
 PUBLISHED = ["llama1_7b", "llama1_13b", "llama1_33b", "llama1_65b", "llama2_7b", "llama2_13b",
-             "llama2_70b", "llama3_8b", "llama3_70b"]
+             "llama2_70b", "llama3_8b", "llama3_70b", "llama3_1_8b", "llama3_1_70b", "llama3_1_405b"]
 
 
 def small_args(**kw) -> ModelArgs:
@@ -75,12 +76,64 @@ def test_ffn_hidden_dim_of_published_models(name, hidden):
 def test_published_shapes_and_param_counts():
     # totals as published with the HF checkpoints (e.g. Llama-2-7b-hf: 6,738,415,616)
     want = {"llama2_7b": 6_738_415_616, "llama2_13b": 13_015_864_320, "llama2_70b": 68_976_648_192,
-            "llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496}
+            "llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496,
+            "llama3_1_8b": 8_030_261_248, "llama3_1_70b": 70_553_706_496,
+            "llama3_1_405b": 405_853_388_800}
     for name, total in want.items():
         assert count_params(load_preset(name))["total"] == total, name
     l3 = load_preset("llama3_8b")
     assert (l3.kv_heads, l3.rope_theta, l3.vocab_size, l3.max_seq_len) == (8, 500000.0, 128256, 8192)
     assert load_preset("llama2_70b").kv_heads == 8 and load_preset("llama1_65b").norm_eps == 1e-6
+    # Llama 3.1: Meta's params.json (use_scaled_rope, 128K context); 405B's ffn x1.2 -> 53248
+    for name in ("llama3_1_8b", "llama3_1_70b", "llama3_1_405b"):
+        a = load_preset(name)
+        rs = a.rope_scaling
+        assert (rs.type, rs.factor, rs.low_freq_factor, rs.high_freq_factor,
+                rs.original_max_position_embeddings) == ("llama3", 8.0, 1.0, 4.0, 8192), name
+        assert (a.max_seq_len, a.rope_theta, a.kv_heads) == (131072, 500000.0, 8), name
+    assert load_preset("llama3_1_405b").ffn_hidden_dim == 53248
+    assert load_preset("llama3_8b").rope_scaling.type == "default"
+
+
+def _meta_apply_scaling(freqs: list, factor: float, low: float, high: float, old: int) -> list:
+    """Meta's llama3 reference (llama-models, apply_scaling), one frequency at a time."""
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(f)
+        elif wavelen > old / low:
+            out.append(f / factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return out
+
+
+def test_llama3_rope_scaling_equals_metas_reference_and_linear_divides_positions():
+    a = load_preset("llama3_1_8b")
+    plain = rope_inv_freq(a.head_dim, a.rope_theta).double().tolist()
+    rs = a.rope_scaling
+    want = _meta_apply_scaling(plain, rs.factor, rs.low_freq_factor, rs.high_freq_factor,
+                               rs.original_max_position_embeddings)
+    got = rope_inv_freq(a.head_dim, a.rope_theta, rs).double().tolist()
+    assert got == pytest.approx(want, rel=1e-6)
+    # all three bands occur at Llama 3.1's settings: kept, blended, divided by 8
+    kept = sum(g == p for g, p in zip(got, plain))
+    divided = sum(g == pytest.approx(p / 8, rel=1e-6) for g, p in zip(got, plain))
+    assert kept > 0 and divided > 0 and kept + divided < len(got)
+    # linear: position p of the scaled table is position p / factor of the plain one
+    lin = ModelArgs(rope_scaling={"type": "linear", "factor": 4.0})
+    cos, sin = rope_tables(lin.head_dim, 64, lin.rope_theta, scaling=lin.rope_scaling)
+    pos = torch.arange(64, dtype=torch.float64)[:, None] / 4
+    angles = pos * rope_inv_freq(lin.head_dim, lin.rope_theta).double()[None, :]
+    torch.testing.assert_close(cos.double(), angles.cos(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin.double(), angles.sin(), atol=1e-6, rtol=0)
+    # and the model uses the scaled tables
+    m = Transformer(lin, device="meta")
+    m.to_empty(device="cpu")
+    m.reset_rope()
+    torch.testing.assert_close(m.rope_cos[:64], cos)
 
 
 def test_rope_score_depends_only_on_relative_offset():
@@ -379,6 +432,13 @@ def test_preset_sizes():
     (dict(max_seq_len=0), "model.max_seq_len"),
     (dict(init_std="big"), "model.init_std"),
     (dict(tie_embeddings="yes"), "model.tie_embeddings"),
+    (dict(rope_scaling={"type": "yarn"}), "model.rope_scaling.type"),
+    (dict(rope_scaling={"type": "linear", "factor": 0.5}), "model.rope_scaling.factor"),
+    (dict(rope_scaling={"type": "llama3", "low_freq_factor": 4.0, "high_freq_factor": 4.0}),
+     "model.rope_scaling.high_freq_factor"),
+    (dict(rope_scaling={"type": "llama3", "original_max_position_embeddings": 0}),
+     "model.rope_scaling.original_max_position_embeddings"),
+    (dict(rope_scaling={"type": "llama3", "scale": 8}), "model.rope_scaling.scale"),
 ])
 def test_config_validation_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):

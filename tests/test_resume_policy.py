@@ -20,7 +20,7 @@ MAY_CHANGE = {
     "trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.log_every",
     "trainer.eval_every", "trainer.eval_sequences", "trainer.micro_batch", "trainer.global_batch",
     "trainer.global_batch_tokens", "trainer.device", "trainer.compile", "trainer.peak_flops",
-    "trainer.verify_checksums", "trainer.async_save", "deepspeed.zero_stage",
+    "trainer.verify_checksums", "trainer.async_save", "deepspeed.zero_stage", "parallel.sequence",
     "deepspeed.offload_optimizer",
     "deepspeed.offload_params", "deepspeed.overlap_comm", "deepspeed.contiguous_gradients",
     "deepspeed.reduce_bucket_size", "deepspeed.allgather_bucket_size",

@@ -10,6 +10,8 @@ loop only sees an engine with ``forward``/``backward``/``step``. One module per 
     ds_config.py      resolve_precision, build_ds_config: our sub-configs -> DeepSpeed's JSON
     build.py          build_model (ZeRO-3 inside deepspeed.zero.Init), load_full_state,
                       initialize (the one call to deepspeed.initialize)
+    sequence.py       init_sequence_parallel, shard_attention: DeepSpeed-Ulysses sequence
+                      parallelism (parallel.sequence)
     wrapper.py        Engine, StepResult: the training loop's view of DeepSpeed's engine
     ds_checkpoint.py  restricted_loads, convert_to_universal, consolidate_fp32
     estimates.py      DeepSpeed's own model-state memory estimators (llama-plan model-info)
@@ -28,6 +30,7 @@ from llama_train.engine.ds_checkpoint import (RESTRICTED_LOAD_ENV, consolidate_f
                                               convert_to_universal, restricted_loads)
 from llama_train.engine.ds_config import build_ds_config, resolve_precision
 from llama_train.engine.runtime import Runtime, deepspeed_version, detect_runtime
+from llama_train.engine.sequence import init_sequence_parallel, sequence_rank, shard_attention
 from llama_train.engine.wrapper import Engine, StepResult, unwrap
 from llama_train.flops import PeakFlops, measure_matmul_flops, memory_stats, peak_flops
 
@@ -38,6 +41,7 @@ __all__ = [
     "STARTUP_TIMEOUT",
     "resolve_precision", "build_ds_config",
     "build_model", "load_full_state", "initialize", "preload_deepspeed", "warm_up",
+    "init_sequence_parallel", "sequence_rank", "shard_attention",
     "Engine", "StepResult", "unwrap",
     "restricted_loads", "RESTRICTED_LOAD_ENV", "convert_to_universal", "consolidate_fp32",
     "PeakFlops", "peak_flops", "measure_matmul_flops", "memory_stats",

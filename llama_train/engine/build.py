@@ -8,11 +8,12 @@ from typing import Any, Dict
 import torch
 
 from llama_train.engine.distributed import leads, simulated
+from llama_train.engine.sequence import gradient_factor
 from llama_train.engine.wrapper import Engine
 
 
 def build_model(model_args, ds_config: Dict[str, Any], device: torch.device,
-                seed: int) -> torch.nn.Module:
+                seed: int, mpu: Any = None) -> torch.nn.Module:
     """The model, allocated and initialised once, ready for :func:`initialize`.
 
     ZeRO-3: constructed on the meta device inside ``deepspeed.zero.Init``, which partitions each
@@ -20,7 +21,9 @@ def build_model(model_args, ds_config: Dict[str, Any], device: torch.device,
     parameters whole; then each parameter is gathered alone, initialised on rank 0 by
     ``Transformer.init_param`` and scattered back. Other stages: materialised on ``device`` and
     initialised there. Either way the weights depend on ``seed`` only (not on the stage, world
-    size or dtype), so every configuration starts from the same model."""
+    size or dtype), so every configuration starts from the same model. ``mpu``: the
+    sequence-parallel groups, from which DeepSpeed's config counts data-parallel ranks (ZeRO-3
+    still partitions over every rank)."""
     from llama_train.model import Transformer
 
     if ds_config["zero_optimization"]["stage"] != 3:
@@ -34,7 +37,7 @@ def build_model(model_args, ds_config: Dict[str, Any], device: torch.device,
     # The dtype comes from ds_config (bf16/fp16/fp32). Not passed explicitly: DeepSpeed 0.19.8's
     # Init turns an explicit dtype into bf16 on a CPU accelerator (an operator-precedence slip in
     # Init._set_dtype), which rounded fp32 weights to bf16.
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu):
         model = Transformer(model_args, device="meta")
         model.to_empty(device=device)  # partitions module by module (DeepSpeed's skip_init path)
     model.tie_weights()
@@ -78,19 +81,22 @@ def _tied_aliases(model: torch.nn.Module) -> set:
     return {n for n, _ in model.named_parameters(remove_duplicate=False)}
 
 
-def initialize(model: torch.nn.Module, param_groups, ds_config: Dict[str, Any]) -> Engine:
-    """The one call to ``deepspeed.initialize``."""
+def initialize(model: torch.nn.Module, param_groups, ds_config: Dict[str, Any],
+               mpu: Any = None) -> Engine:
+    """The one call to ``deepspeed.initialize``; ``mpu``: the sequence-parallel groups of
+    :func:`llama_train.engine.sequence.init_sequence_parallel` (None: data parallel only)."""
     import deepspeed
 
     ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
-                                       config=ds_config)
+                                       config=ds_config, mpu=mpu)
     if simulated():  # the only process of its job also writes what DeepSpeed's rank 0 writes
         ds.save_non_zero_checkpoint = True
     if ds.dp_world_size == 1 and ds_config["zero_optimization"]["stage"] == 0:
         # Nothing to reduce: skip DeepSpeed's flatten/all-reduce/copy-back of every gradient
         # (3.5% of a `small` step on one rank, docs/performance.md).
         ds.enable_backward_allreduce = False
-    return Engine(ds, ds_config["zero_optimization"]["stage"])
+    stage = ds_config["zero_optimization"]["stage"]
+    return Engine(ds, stage, gradient_factor(stage, mpu))
 
 
 def preload_deepspeed(offload: bool) -> None:

@@ -75,6 +75,9 @@ def _zero_optimization(ds: DeepSpeedConfig, device_type: str, model_dim: int) ->
             stage3_max_live_parameters=sizes["stage3_max_live_parameters"],
             sub_group_size=sizes["sub_group_size"],
             stage3_gather_16bit_weights_on_model_save=False,
+            # DeepSpeed's default, stated: every gradient takes the reduce-scatter path, whose
+            # averaging engine.sequence.gradient_factor corrects under sequence parallelism
+            reduce_scatter=True,
         )
         zero.pop("allgather_bucket_size")
     if ds.offload_optimizer:

@@ -35,9 +35,12 @@ class Engine:
     outside :mod:`llama_train.engine` reaches into DeepSpeed's engine or optimizer; measurement
     tools get the few views they need from the methods at the end of this class."""
 
-    def __init__(self, ds, zero_stage: int):
+    def __init__(self, ds, zero_stage: int, grad_factor: float = 1.0):
         self.ds = ds  # DeepSpeed's engine: used by this package only
         self.zero_stage = zero_stage
+        # what backward multiplies the loss by so the reduced gradient is the one the loss
+        # means (engine.sequence.gradient_factor); 1 without sequence parallelism
+        self.grad_factor = grad_factor
         # host buffers of asynchronous saves, reused save after save (see save(snapshot=))
         self._staging: Dict[Tuple[str, int], torch.UntypedStorage] = {}
 
@@ -61,7 +64,7 @@ class Engine:
             group["lr"] = lr
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.ds.backward(loss)
+        self.ds.backward(loss if self.grad_factor == 1.0 else loss * self.grad_factor)
 
     def micro_step(self) -> None:
         """After a micro-batch that is not the last of the step: DeepSpeed counts it (and, at

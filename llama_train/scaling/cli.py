@@ -137,7 +137,8 @@ def _cmd_inference_optimal(ns: argparse.Namespace) -> Dict[str, Any]:
 def _cmd_model_info(ns: argparse.Namespace) -> Dict[str, Any]:
     res = model_info(ns.model, zero_stage=ns.zero_stage, world_size=ns.world_size, micro_batch=ns.micro_batch,
                      seq_len=ns.seq_len, offload_optimizer=ns.offload_optimizer,
-                     checkpointing=True if ns.activation_checkpointing else None, attention=ns.attention)
+                     checkpointing=True if ns.activation_checkpointing else None, attention=ns.attention,
+                     sequence_parallel=ns.sequence_parallel)
     if not ns.json:
         a, c = res["model_args"], res["params"]
         print(f"model {ns.model}: dim={a['dim']} n_layers={a['n_layers']} n_heads={a['n_heads']} "
@@ -159,7 +160,8 @@ def _cmd_model_info(ns: argparse.Namespace) -> Dict[str, Any]:
                       for z, v in res["model_state_total_by_stage"].items()],
                      [f"all stages, {ns.world_size} rank(s)", "bf16 total", "fp32 total"]))
         act = res["activations"]
-        print(f"\nactivations per micro-batch (b={ns.micro_batch}, s={res['seq_len']}, "
+        sp = f", {ns.sequence_parallel} ranks sharing each sequence" if ns.sequence_parallel > 1 else ""
+        print(f"\nactivations per micro-batch per rank (b={ns.micro_batch}, s={res['seq_len']}{sp}, "
               f"checkpointing={'on' if act['bf16']['checkpointing'] else 'off'}, attention={ns.attention}):")
         print(_table([[k] + [_gib(act[dt][k]) for dt in ("bf16", "fp32")] for k in ("per_layer", "layers", "recompute", "head", "total")],
                      ["", "bf16", "fp32"]))
@@ -192,7 +194,8 @@ def _peak_and_advice(ns: argparse.Namespace, res: Dict[str, Any]) -> None:
     cfg = dict(zero_stage=ns.zero_stage, world_size=ns.world_size, dtype=ns.dtype, micro_batch=ns.micro_batch,
                seq_len=ns.seq_len, offload_optimizer=ns.offload_optimizer, offload_params=ns.offload_params,
                activation_checkpointing=True if ns.activation_checkpointing else None, device=ns.device,
-               attention=ns.attention, zero_overrides=_ds_zero(ns.ds_zero) or None)
+               attention=ns.attention, zero_overrides=_ds_zero(ns.ds_zero) or None,
+               sequence_parallel=ns.sequence_parallel)
     peak = rank_peak_memory(ns.model, **cfg)
     est = deepspeed_estimate(ns.model, ns.zero_stage, ns.world_size, ns.offload_optimizer, ns.offload_params)
     res["rank_peak"] = peak
@@ -436,7 +439,10 @@ def _add_model_info(sub) -> None:
     p = sub.add_parser("model-info", help="params, FLOPs/token, ZeRO model-state and activation memory of a model")
     p.add_argument("--model", required=True, help="preset name (configs/model) or a model yaml path")
     p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
-    p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="ranks of the job (ZeRO partitions over all of them)")
+    p.add_argument("--sequence-parallel", type=int, default=1, metavar="N",
+                   help="ranks sharing each sequence (parallel.sequence): activations per rank")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per forward")
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
     p.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer state in host memory")

@@ -124,7 +124,10 @@ ACTIVATION_FORMULA = (
     "and targets). Per-block activation checkpointing keeps only each block's input (p*sbh per layer) "
     "and recomputes one block at a time in backward (+ one layer's activations at the peak). "
     "After Korthikanti et al. 2022 (s*b*h*(34 + 5*a*s/h) per GPT layer in 16-bit), redone for "
-    "this model's SwiGLU, GQA, fp32 RMSNorm, fused attention and no dropout."
+    "this model's SwiGLU, GQA, fp32 RMSNorm, fused attention and no dropout. Sequence parallelism "
+    "over N ranks (parallel.sequence, Ulysses): a rank keeps s/N tokens of every term, except k "
+    "and v, which attention holds for the whole sequence and n_kv_heads/N heads (at least one: "
+    "2p*s*b*head_dim*max(n_kv_heads/N, 1))."
 )
 
 
@@ -135,8 +138,10 @@ def activation_memory(
     dtype: str = "bf16",
     checkpointing: Optional[bool] = None,
     attention: str = "sdpa",
+    sequence_parallel: int = 1,
 ) -> Dict[str, Any]:
-    """Activation bytes autograd keeps for backward, for one micro-batch on one rank.
+    """Activation bytes autograd keeps for backward, for one micro-batch on one rank;
+    ``sequence_parallel`` N: the rank's share when N ranks share each sequence.
 
     The formula is :data:`ACTIVATION_FORMULA`, a count of the tensors this model's forward saves
     (tests check it against the real saved tensors of a CPU model). ``checkpointing`` defaults
@@ -152,16 +157,21 @@ def activation_memory(
         raise ScalingError(f"seq_len={seq_len} and micro_batch={micro_batch} must be positive integers")
     if attention not in ("sdpa", "eager"):
         raise ScalingError(f"attention={attention!r}: 'sdpa' (fused, default) or 'eager'")
+    n = int(sequence_parallel)
+    if n < 1 or s % n:
+        raise ScalingError(f"sequence_parallel={sequence_parallel} must be a positive divisor of "
+                           f"seq_len={s}")
     ckpt = args.activation_checkpointing if checkpointing is None else bool(checkpointing)
     h, a, f, V, L = args.dim, args.n_heads, args.ffn_hidden_dim, args.vocab_size, args.n_layers
-    h_kv = args.kv_heads * args.head_dim
-    per_layer = s * b * (h * (8 + 6 * p) + 2 * p * h_kv + 4 * p * f + 4 * a + 8)
+    h_kv = max(args.kv_heads // n, 1) * args.head_dim  # k, v heads attention holds on this rank
+    sl = s // n  # this rank's tokens
+    per_layer = sl * b * (h * (8 + 6 * p) + 4 * p * f + 4 * a + 8) + s * b * 2 * p * h_kv
     if p < 4:  # RoPE tables cast to 16 bit with the model: fp32 copies of cos, sin for q and k
-        per_layer += 8 * s * args.head_dim
+        per_layer += 8 * sl * args.head_dim
     if attention == "eager":
-        per_layer += p * a * s * s * b
-    head = s * b * (h * (4 + 2 * p) + 4 * V + 20)
-    layers = L * p * s * b * h if ckpt else L * per_layer
+        per_layer += p * (a // n) * s * s * b
+    head = sl * b * (h * (4 + 2 * p) + 4 * V + 20)
+    layers = L * p * sl * b * h if ckpt else L * per_layer
     recompute = per_layer if ckpt else 0
     return {
         "per_layer": float(per_layer),
@@ -172,6 +182,7 @@ def activation_memory(
         "checkpointing": ckpt,
         "micro_batch": b,
         "seq_len": s,
+        "sequence_parallel": n,
         "dtype": dtype,
         "attention": attention,
         "formula": ACTIVATION_FORMULA,
@@ -188,8 +199,11 @@ def model_info(
     offload_optimizer: bool = False,
     checkpointing: Optional[bool] = None,
     attention: str = "sdpa",
+    sequence_parallel: int = 1,
 ) -> Dict[str, Any]:
-    """Params, FLOPs/token, model-state and activation memory, with a meta-device build."""
+    """Params, FLOPs/token, model-state and activation memory, with a meta-device build;
+    ``world_size`` counts every rank (ZeRO partitions over all of them), ``sequence_parallel``
+    how many share each sequence."""
     import torch
 
     from llama_train.model import Transformer, count_params, flops_per_token
@@ -206,7 +220,8 @@ def model_info(
     by_stage = {
         str(z): {dt: model_memory(args, z, world_size, dt)["total"] for dt in ("bf16", "fp32")} for z in range(4)
     }
-    acts = {dt: activation_memory(args, micro_batch, s, dt, checkpointing, attention) for dt in ("bf16", "fp32")}
+    acts = {dt: activation_memory(args, micro_batch, s, dt, checkpointing, attention, sequence_parallel)
+            for dt in ("bf16", "fp32")}
     return {
         "model_args": _args_dict(args),
         "params": counts,
@@ -290,6 +305,7 @@ def rank_peak_memory(
     attention: str = "sdpa",
     zero_overrides: Optional[Dict[str, int]] = None,
     gloo_copies: Optional[bool] = None,
+    sequence_parallel: int = 1,
 ) -> Dict[str, Any]:
     """Peak bytes one data-parallel rank holds while it builds the model, initialises DeepSpeed
     and trains (model states + activations + DeepSpeed's own buffers and transients), from the
@@ -316,7 +332,8 @@ def rank_peak_memory(
     if device not in ("cpu", "cuda"):
         raise ScalingError(f"device={device!r}: 'cpu' or 'cuda'")
     sizes = _zero_sizes(args, ds, zero_overrides)
-    acts = activation_memory(args, micro_batch, seq_len, dtype, activation_checkpointing, attention)["total"]
+    acts = activation_memory(args, micro_batch, seq_len, dtype, activation_checkpointing, attention,
+                             sequence_parallel)["total"]
     t = _rank_terms(args, p, world_size, sizes, acts, device == "cpu", offload_optimizer,
                     device == "cpu" if gloo_copies is None else gloo_copies)
     if zero_stage == 0:
