@@ -78,7 +78,7 @@ class TrainModule:
             check_token_ids(x, y, self.vocab_size, self.data_dir, window_start)
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
-            loss = self._loss(x, y)
+            loss = self.micro_loss(x, y)
             for h in self.hooks:
                 loss = h.on_loss(batch_no, loss)
             self.engine.backward(loss)
@@ -91,7 +91,7 @@ class TrainModule:
             torch.cuda.synchronize()
         return BatchResult(loss, lr, result, data_wait, stop_requested)
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def micro_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """This rank's part of the micro-batch's token-mean loss (all of it without sequence
         parallelism)."""
         xs, ys, kwargs = self.inputs(x, y)

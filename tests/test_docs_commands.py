@@ -390,6 +390,9 @@ TABLE: List[Tuple[str, object]] = [
     ("llama-plan model-info --model llama3_1_8b --zero-stage 3 --world-size 64 --seq-len 32768 "
      "--activation-checkpointing --sequence-parallel 8",
      Run(expect="8 ranks sharing each sequence")),
+    ("llama-bench memory --dim 128 --n-layers 4 --n-heads 4 --n-kv-heads 2 --vocab 2048 "
+     "--stages 1 --nprocs 2 --precision fp32 --seq-len 4096 --sequence-parallel 2",
+     Run("--seq-len 256", expect="2 ranks sharing each sequence")),
     ("DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module llama_train.train "
      "trainer.init_from=out/hf_model model.rope_scaling.type=llama3 model.rope_scaling.factor=4 "
      "model.rope_scaling.original_max_position_embeddings=512 model.max_seq_len=2048 "

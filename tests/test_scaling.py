@@ -609,6 +609,22 @@ def test_activation_checkpointing_and_eager_attention():
     assert eager["per_layer"] - full["per_layer"] == 2 * args.n_heads * 4096**2
 
 
+def test_sequence_parallel_activations_are_the_ranks_share():
+    """N ranks sharing each sequence: every term of s/N tokens, but k and v of the whole
+    sequence for n_kv_heads / N heads (at least one); the logits' gradient of s/N tokens."""
+    args = load_preset("llama3_1_8b")  # 8 kv heads of 128
+    one = activation_memory(args, 1, 32768, "bf16", sequence_parallel=1)
+    for n in (2, 8, 16):
+        part = activation_memory(args, 1, 32768, "bf16", sequence_parallel=n)
+        kv_one = 2 * 2 * 32768 * 8 * 128
+        kv_part = 2 * 2 * 32768 * max(8 // n, 1) * 128
+        assert part["per_layer"] == (one["per_layer"] - kv_one) / n + kv_part
+        assert part["head"] == one["head"] / n and part["sequence_parallel"] == n
+        assert part["backward_transient"] == 4 * (32768 // n) * args.vocab_size
+    with pytest.raises(ScalingError, match="sequence_parallel=3"):
+        activation_memory(args, 1, 32768, "bf16", sequence_parallel=3)
+
+
 # ------------------------------------------------------------------------------------------
 # model-info and CLI
 # ------------------------------------------------------------------------------------------

@@ -147,18 +147,20 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--ds-zero", default="{}", help="JSON: keys set in zero_optimization "
                     "after engine.ds_config.build_ds_config (experiments with DeepSpeed's "
                     "knobs)")
+    ap.add_argument("--sequence-parallel", type=int, default=1,
+                    help="ranks sharing each sequence (parallel.sequence)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None)
     return ap.parse_args(argv)
 
 
-def _count_backward(engine, x, y) -> Dict[str, Any]:
+def _count_backward(engine, module, x, y) -> Dict[str, Any]:
     """One forward/backward counted twice: when autograd has finished but DeepSpeed has not yet
     reduced (ZeRO 0/1 hold every full gradient here), and after backward (ZeRO 2/3 hold their
     reduced partitions). Per category, the larger of the two is the peak."""
     snaps: List[Dict[str, Any]] = []
     with engine.after_autograd(lambda: snaps.append(count_engine_bytes(engine))):
-        _, loss = engine(x, y)
+        loss = module.micro_loss(x, y)
         engine.backward(loss)
     snaps.append(count_engine_bytes(engine))
     return {"bytes": {c: max(s["bytes"][c] for s in snaps) for c in CATEGORIES},
@@ -180,13 +182,16 @@ def main(argv=None) -> None:
     from llama_train.model import ModelArgs, count_params
     from llama_train.optim import param_groups
     from llama_train.proc import exit_skipping_teardown
+    from llama_train.train_module import TrainModule
 
     rt = eng.detect_runtime("cpu")
     eng.init_distributed(CommConfig(), rt.device_type)
     margs = ModelArgs(**json.loads(args.model_json))
     optim = OptimConfig()
+    sp = args.sequence_parallel
+    mpu = eng.init_sequence_parallel(sp)  # the trainer's groups (None for 1)
     plan = resolve_batch(TrainerConfig(seq_len=args.seq_len, micro_batch=args.micro_batch),
-                         rt.world_size)
+                         rt.world_size // sp)
     ds_cfg = DeepSpeedConfig(zero_stage=args.stage, precision=args.precision,
                              offload_params=args.offload, offload_optimizer=args.offload)
     ds_config = eng.build_ds_config(ds_cfg, optim, plan, rt.device_type, model_dim=margs.dim)
@@ -196,28 +201,33 @@ def main(argv=None) -> None:
     meter = PeakMeter(rt.device)  # idle baseline: imports, process group, warm-up; no model yet
 
     meter.start()
-    model = eng.build_model(margs, ds_config, rt.device, seed=0)  # the trainer's path
+    model = eng.build_model(margs, ds_config, rt.device, seed=0, mpu=mpu)  # the trainer's path
+    eng.shard_attention(model, mpu)
     meter.stop("build")
     meter.start()
-    engine = eng.initialize(model, param_groups(model, optim), ds_config)
+    engine = eng.initialize(model, param_groups(model, optim), ds_config, mpu=mpu)
     del model
     meter.stop("initialize")
+    # the trainer's micro-batch: this rank's slice of the sequences and its share of the loss
+    module = TrainModule(engine, plan, rt.device, optim, args.steps, vocab_size=margs.vocab_size,
+                         eos_id=0, document_mask=False, data_dir="(random tokens)",
+                         sequence=(eng.sequence_rank(mpu), sp))
 
-    g = torch.Generator().manual_seed(rt.rank)
+    g = torch.Generator().manual_seed(rt.rank // sp)  # a sequence group draws the same tokens
     x = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), generator=g)
     y = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), generator=g)
     counted: Dict[str, Any] = {}
     for step in range(1, args.steps + 1):
         meter.start()
         if step == 2:
-            counted = _count_backward(engine, x, y)  # the second step's backward, counted
+            counted = _count_backward(engine, module, x, y)  # the second step's backward, counted
         else:
-            _, loss = engine(x, y)
-            engine.backward(loss)
+            engine.backward(module.micro_loss(x, y))
         engine.step()  # AdamW state exists from the first step on
         meter.stop(f"step{step}")
     result = {
         "rank": rt.rank, "world_size": rt.world_size, "stage": args.stage,
+        "sequence_parallel": sp,
         "offload": args.offload, "precision": args.precision,
         "n_params": count_params(margs)["total"],
         **meter.report(),

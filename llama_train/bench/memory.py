@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--sequence-parallel", type=int, default=1, metavar="N",
+                   help="ranks sharing each sequence (parallel.sequence); rank counts it does not "
+                        "divide are skipped")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per point (>= 2)")
     p.add_argument("--mem-fraction", type=float, default=0.85,
                    help="skip a point whose predicted total exceeds this share of MemAvailable")
@@ -125,6 +128,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             raise SystemExit(f"llama-bench memory: --{name.replace('_', '-')} must be >= 1")
     if args.steps < 2:
         raise SystemExit("llama-bench memory: --steps must be >= 2 (the second step is counted)")
+    sp = args.sequence_parallel
+    if sp < 1 or args.seq_len % sp:
+        raise SystemExit(f"llama-bench memory: --sequence-parallel={sp} must be a positive "
+                         f"divisor of --seq-len={args.seq_len}")
     args.model = model_args_of(args)
     if args.seq_len > args.model.max_seq_len:
         raise SystemExit(f"llama-bench memory: --seq-len={args.seq_len} exceeds the model's "
@@ -141,14 +148,16 @@ def mem_available() -> int:
 
 
 def predict(model_args, config: str, world: int, precision: str, micro_batch: int,
-            seq_len: int, ds_zero: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+            seq_len: int, ds_zero: Optional[Dict[str, int]] = None,
+            sequence_parallel: int = 1) -> Dict[str, Any]:
     """The planner's per-rank peak for one point (CPU ranks: host and device are one pool)."""
     from llama_train.scaling import rank_peak_memory
 
     stage, off = CONFIGS[config]
     return rank_peak_memory(model_args, zero_stage=stage, world_size=world, dtype=precision,
                             micro_batch=micro_batch, seq_len=seq_len, offload_optimizer=off,
-                            offload_params=off, device="cpu", zero_overrides=ds_zero or None)
+                            offload_params=off, device="cpu", zero_overrides=ds_zero or None,
+                            sequence_parallel=sequence_parallel)
 
 
 def run_point(args: argparse.Namespace, config: str, nprocs: int, out: Path) -> List[dict]:
@@ -173,7 +182,8 @@ def run_point(args: argparse.Namespace, config: str, nprocs: int, out: Path) -> 
            "--model-json", json.dumps(asdict(args.model)), "--stage", str(stage),
            "--precision", args.precision, "--micro-batch", str(args.micro_batch),
            "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--out", str(out),
-           "--ds-zero", json.dumps(args.ds_zero)]
+           "--ds-zero", json.dumps(args.ds_zero),
+           "--sequence-parallel", str(args.sequence_parallel)]
     if off:
         cmd.append("--offload")
     log = out.parent / f"{out.name}.log"
@@ -205,7 +215,7 @@ def summarize_point(point: dict, model_args, precision: str, micro_batch: int, s
     """The max over ranks of the peak above idle, the planner's figure and their ratio."""
     psi = point["n_params"]
     pred = predict(model_args, point["config"], point["nprocs"], precision, micro_batch, seq_len,
-                   ds_zero)
+                   ds_zero, point.get("sequence_parallel", 1))
     row = {k: point[k] for k in ("config", "nprocs", "status")}
     row["predicted"] = pred["total"]
     row["predicted_breakdown"] = pred["breakdown"]
@@ -259,6 +269,8 @@ def summarize(report: dict) -> dict:
     from llama_train.model import ModelArgs
 
     margs = ModelArgs(**report["model_args"])
+    for p in report["points"]:
+        p.setdefault("sequence_parallel", report.get("sequence_parallel", 1))
     rows = [summarize_point(p, margs, report["precision"], report["micro_batch"],
                             report["seq_len"], report.get("ds_zero")) for p in report["points"]]
     report["rows"] = rows
@@ -276,7 +288,9 @@ def format_table(report: dict) -> str:
     psi = report["n_params"]
     lines = [f"llama-bench memory: {report['model_name']} ({psi:,} params), {report['precision']}, "
              f"micro-batch {report['micro_batch']} x {report['seq_len']}, {report['steps']} steps, "
-             f"CPU ranks (DeepSpeed launcher, gloo)",
+             f"CPU ranks (DeepSpeed launcher, gloo)"
+             + (f", {report['sequence_parallel']} ranks sharing each sequence"
+                if report.get("sequence_parallel", 1) > 1 else ""),
              f"machine: {report['machine']}; 1-min load average {report['loadavg_start']:.2f} at "
              f"start, {report.get('loadavg_end', float('nan')):.2f} at end; MemAvailable at start "
              f"{report['mem_available'] / 2**30:.1f} GiB",
@@ -318,6 +332,8 @@ def _command(args: argparse.Namespace) -> str:
         model + ["--stages", ",".join(args.stages), "--nprocs", ",".join(map(str, args.nprocs)),
                  "--precision", args.precision, "--micro-batch", str(args.micro_batch),
                  "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
+        + (["--sequence-parallel", str(args.sequence_parallel)] if args.sequence_parallel > 1
+           else [])
         + (["--malloc", args.malloc] if args.malloc != "mmap" else [])
         + [f"--ds-zero={k}={v}" for k, v in args.ds_zero.items()])
 
@@ -337,7 +353,7 @@ def run(args: argparse.Namespace) -> dict:
         (args.preset or "tiny"),
         "model_args": asdict(args.model), "n_params": psi, "precision": args.precision,
         "micro_batch": args.micro_batch, "seq_len": args.seq_len, "steps": args.steps, "malloc": args.malloc,
-        "ds_zero": args.ds_zero,
+        "ds_zero": args.ds_zero, "sequence_parallel": args.sequence_parallel,
         "machine": f"{platform.node()}, {os.cpu_count()} CPU cores, "
                    f"{_mem_total() / 2**30:.0f} GiB RAM, {platform.processor() or platform.machine()}",
         "mem_available": avail, "mem_fraction": args.mem_fraction,
@@ -347,9 +363,15 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="llama-bench-memory-") as tmp:
         for config in args.stages:
             for n in args.nprocs:
-                point: Dict[str, Any] = {"config": config, "nprocs": n, "n_params": psi}
+                point: Dict[str, Any] = {"config": config, "nprocs": n, "n_params": psi,
+                                         "sequence_parallel": args.sequence_parallel}
+                if n % args.sequence_parallel:
+                    point.update(status="skipped", reason=(
+                        f"--sequence-parallel {args.sequence_parallel} does not divide {n} ranks"))
+                    report["points"].append(point)
+                    continue
                 pred = predict(args.model, config, n, args.precision, args.micro_batch,
-                               args.seq_len, args.ds_zero)["total"]
+                               args.seq_len, args.ds_zero, args.sequence_parallel)["total"]
                 need = n * (idle + pred)
                 if need > args.mem_fraction * avail:
                     point.update(status="skipped", reason=(

@@ -127,7 +127,9 @@ ACTIVATION_FORMULA = (
     "this model's SwiGLU, GQA, fp32 RMSNorm, fused attention and no dropout. Sequence parallelism "
     "over N ranks (parallel.sequence, Ulysses): a rank keeps s/N tokens of every term, except k "
     "and v, which attention holds for the whole sequence and n_kv_heads/N heads (at least one: "
-    "2p*s*b*head_dim*max(n_kv_heads/N, 1))."
+    "2p*s*b*head_dim*max(n_kv_heads/N, 1)). When backward starts, the fp32 gradient of the "
+    "logits (4*s*b*V, s/N tokens under sequence parallelism) lives beside all of them: the "
+    "per-rank peak counts it (backward_transient)."
 )
 
 
@@ -147,7 +149,8 @@ def activation_memory(
     (tests check it against the real saved tensors of a CPU model). ``checkpointing`` defaults
     to ``args.activation_checkpointing``; ``attention="eager"`` also keeps the s x s softmax.
     Keys (bytes): per_layer, layers (kept through the forward), recompute (one block rebuilt in
-    backward when checkpointing), head, total = layers + recompute + head.
+    backward when checkpointing), head, total = layers + recompute + head; backward_transient:
+    the logits' gradient, made while all of those are still held (not in total).
     """
     args = _resolve_args(args)
     p = _check_dtype(dtype)
@@ -179,6 +182,7 @@ def activation_memory(
         "recompute": float(recompute),
         "head": float(head),
         "total": float(layers + recompute + head),
+        "backward_transient": float(4 * sl * b * V),
         "checkpointing": ckpt,
         "micro_batch": b,
         "seq_len": s,
@@ -332,8 +336,9 @@ def rank_peak_memory(
     if device not in ("cpu", "cuda"):
         raise ScalingError(f"device={device!r}: 'cpu' or 'cuda'")
     sizes = _zero_sizes(args, ds, zero_overrides)
-    acts = activation_memory(args, micro_batch, seq_len, dtype, activation_checkpointing, attention,
-                             sequence_parallel)["total"]
+    act = activation_memory(args, micro_batch, seq_len, dtype, activation_checkpointing, attention,
+                            sequence_parallel)
+    acts = act["total"] + act["backward_transient"]  # at the start of backward
     t = _rank_terms(args, p, world_size, sizes, acts, device == "cpu", offload_optimizer,
                     device == "cpu" if gloo_copies is None else gloo_copies)
     if zero_stage == 0:
