@@ -217,6 +217,17 @@ def _train_bench(w: Path, out: str) -> None:
     assert [row.step for row in rows if "step_time_s" in row] == [1, 2, 3, 4]
 
 
+def _sequence_parallel_bench(w: Path, out: str) -> None:
+    """The all-to-alls a step ran are the ones the planner counts (calls and bytes), and the
+    peak is near the plan."""
+    m = re.search(r"all-to-all in the last step: (\d+) calls, ([\d.]+) MiB \(planned (\d+), "
+                  r"([\d.]+) MiB\)", out)
+    assert m, out
+    assert m.group(1) == m.group(3) and m.group(2) == m.group(4), m.group(0)
+    ratio = float(re.search(r"ZeRO-1\s+2 \|.* ([\d.]+)\s*$", out, re.M).group(1))
+    assert 0.9 < ratio < 1.3, ratio
+
+
 GPU8 = Needs("a GPU", "8 GPUs (--num_gpus 8 with NCCL)")
 
 USAGE = Needs("a template", "the usage line; the commands below fill it in")
@@ -392,7 +403,8 @@ TABLE: List[Tuple[str, object]] = [
      Run(expect="8 ranks sharing each sequence")),
     ("llama-bench memory --dim 128 --n-layers 4 --n-heads 4 --n-kv-heads 2 --vocab 2048 "
      "--stages 1 --nprocs 2 --precision fp32 --seq-len 4096 --sequence-parallel 2",
-     Run("--seq-len 256", expect="2 ranks sharing each sequence")),
+     Run("--seq-len 256", expect="2 ranks sharing each sequence",
+         check=_sequence_parallel_bench)),
     ("DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module llama_train.train "
      "trainer.init_from=out/hf_model model.rope_scaling.type=llama3 model.rope_scaling.factor=4 "
      "model.rope_scaling.original_max_position_embeddings=512 model.max_seq_len=2048 "

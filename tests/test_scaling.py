@@ -625,6 +625,21 @@ def test_sequence_parallel_activations_are_the_ranks_share():
         activation_memory(args, 1, 32768, "bf16", sequence_parallel=3)
 
 
+def test_sequence_parallel_traffic_counts_each_layers_four_exchanges():
+    from llama_train.scaling import sequence_parallel_traffic
+
+    args = load_preset("llama3_1_8b")  # 32 layers, 32 heads, 8 kv heads of 128
+    t = sequence_parallel_traffic(args, 1, 32768, 4, "bf16", checkpointing=False)
+    q, kv = 2 * (32768 // 4) * 32 * 128, 2 * (32768 // 4) * 8 * 128
+    assert t["call_bytes"] == [q, kv, kv, q] and t["calls"] == 4 * 32 * 2
+    assert t["bytes"] == 2 * 32 * (2 * q + 2 * kv) and t["bytes_sent"] == t["bytes"] * 3 / 4
+    # a recomputed forward exchanges again; fewer kv heads than ranks are copied up to N
+    assert sequence_parallel_traffic(args, 1, 32768, 4, "bf16", True)["calls"] == 4 * 32 * 3
+    wide = sequence_parallel_traffic(args, 1, 32768, 16, "bf16", False)
+    assert wide["call_bytes"][1] == 2 * (32768 // 16) * 16 * 128
+    assert sequence_parallel_traffic(args, 1, 32768, 1)["calls"] == 0
+
+
 # ------------------------------------------------------------------------------------------
 # model-info and CLI
 # ------------------------------------------------------------------------------------------

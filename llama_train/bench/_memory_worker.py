@@ -20,6 +20,7 @@ moments / buckets / other, by where the storage was found.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -217,17 +218,26 @@ def main(argv=None) -> None:
     x = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), generator=g)
     y = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), generator=g)
     counted: Dict[str, Any] = {}
+    exchanges: Dict[str, Any] = {}
     for step in range(1, args.steps + 1):
         meter.start()
-        if step == 2:
-            counted = _count_backward(engine, module, x, y)  # the second step's backward, counted
-        else:
-            engine.backward(module.micro_loss(x, y))
+        with eng.all_to_all_meter() if sp > 1 else contextlib.nullcontext({}) as a2a:
+            if step == 2:
+                counted = _count_backward(engine, module, x, y)  # step 2's backward, counted
+            else:
+                engine.backward(module.micro_loss(x, y))
         engine.step()  # AdamW state exists from the first step on
         meter.stop(f"step{step}")
+        exchanges = dict(a2a)  # the last step's all-to-alls
+    if sp > 1:  # each of the planner's exchanges (q, k, v, out of a layer), timed alone
+        from llama_train.scaling import sequence_parallel_traffic
+
+        plan = sequence_parallel_traffic(margs, args.micro_batch, args.seq_len, sp, args.precision)
+        exchanges["alone"] = {str(b): eng.all_to_all_seconds(mpu, b)
+                              for b in sorted(set(plan["call_bytes"]))}
     result = {
         "rank": rt.rank, "world_size": rt.world_size, "stage": args.stage,
-        "sequence_parallel": sp,
+        "sequence_parallel": sp, "all_to_all": exchanges,
         "offload": args.offload, "precision": args.precision,
         "n_params": count_params(margs)["total"],
         **meter.report(),

@@ -238,11 +238,37 @@ def summarize_point(point: dict, model_args, precision: str, micro_batch: int, s
         measure=worst.get("measure"),
         hwm_reset=all(r.get("hwm_reset", False) for r in ranks),
     )
+    if point.get("sequence_parallel", 1) > 1 and all(r.get("all_to_all") for r in ranks):
+        row["all_to_all"] = _exchanges(ranks, model_args, precision, micro_batch, seq_len,
+                                       point["sequence_parallel"])
     if "bytes" in worst:
         counted = {c: max(r["bytes"][c] for r in ranks) for c in CATEGORIES}
         row["counted"] = counted
         row["counted_optimizer"] = counted["fp32_master"] + counted["adam_moments"]
     return row
+
+
+def _exchanges(ranks: List[dict], model_args, precision: str, micro_batch: int, seq_len: int,
+               n: int) -> Dict[str, Any]:
+    """The last step's all-to-alls (the slowest rank's), beside the planner's count and bytes,
+    and an estimate of their time: each planned exchange (q, k, v, out of every layer and pass)
+    at the time the same exchange takes alone on these ranks."""
+    from llama_train.scaling import sequence_parallel_traffic
+
+    plan = sequence_parallel_traffic(model_args, micro_batch, seq_len, n, precision)
+    slow = max(ranks, key=lambda r: r["all_to_all"]["seconds"])["all_to_all"]
+    alone = {int(k): max(r["all_to_all"]["alone"][k] for r in ranks) for k in slow["alone"]}
+    per_layer = sum(alone[b] for b in plan["call_bytes"])
+    return {"calls": slow["calls"], "bytes": slow["bytes"], "seconds": slow["seconds"],
+            "wait_seconds": max(r["all_to_all"]["wait_seconds"] for r in ranks),
+            "planned_calls": plan["calls"], "planned_bytes": plan["bytes"],
+            "alone_seconds": {str(b): t for b, t in alone.items()},
+            "estimated_seconds": plan["passes"] * plan["layers"] * per_layer,
+            "step_seconds": max(_last_step(r["phases"]).get("seconds", 0.0) for r in ranks)}
+
+
+def _last_step(phases: Dict[str, Any]) -> Dict[str, Any]:
+    return phases[max((k for k in phases if k.startswith("step")), key=lambda k: int(k[4:]))]
 
 
 def fit_exponent(rows: List[dict]) -> Optional[Dict[str, Any]]:
@@ -305,6 +331,18 @@ def format_table(report: dict) -> str:
             continue
         lines.append(head + f"{r['peak_above_idle'] / MB:9.0f} {r['peak_bytes_per_param']:7.2f} "
                      f"{r['peak_phase']:>10} {r['idle_rss'] / MB:8.0f} | {plan} {r['ratio']:9.3f}")
+    for r in report["rows"]:
+        a = r.get("all_to_all")
+        if a:
+            lines.append(
+                f"{label(r['config'])} N={r['nprocs']}: all-to-all in the last step: {a['calls']} "
+                f"calls, {a['bytes'] / MB:.1f} MiB (planned {a['planned_calls']}, "
+                f"{a['planned_bytes'] / MB:.1f} MiB), {a['seconds']:.3f} s exchanging in a "
+                f"{a['step_seconds']:.2f} s step (and up to {a['wait_seconds']:.3f} s before the "
+                f"calls, waiting for the other ranks); estimate {a['estimated_seconds']:.3f} s "
+                f"(each planned exchange at its time alone: " + ", ".join(
+                    f"{int(b) / MB:.2f} MiB {1e3 * t:.2f} ms" for b, t in a["alone_seconds"].items())
+                + ")")
     lines += ["",
               "peak = max over ranks and phases (build, initialize, step1, step2, ...) of VmHWM "
               "minus the rank's idle VmRSS (after imports and process-group start, before the "

@@ -30,7 +30,8 @@ from llama_train.engine.ds_checkpoint import (RESTRICTED_LOAD_ENV, consolidate_f
                                               convert_to_universal, restricted_loads)
 from llama_train.engine.ds_config import build_ds_config, resolve_precision
 from llama_train.engine.runtime import Runtime, deepspeed_version, detect_runtime
-from llama_train.engine.sequence import init_sequence_parallel, sequence_rank, shard_attention
+from llama_train.engine.sequence import (all_to_all_meter, all_to_all_seconds,
+                                         init_sequence_parallel, sequence_rank, shard_attention)
 from llama_train.engine.wrapper import Engine, StepResult, unwrap
 from llama_train.flops import PeakFlops, measure_matmul_flops, memory_stats, peak_flops
 
@@ -41,7 +42,8 @@ __all__ = [
     "STARTUP_TIMEOUT",
     "resolve_precision", "build_ds_config",
     "build_model", "load_full_state", "initialize", "preload_deepspeed", "warm_up",
-    "init_sequence_parallel", "sequence_rank", "shard_attention",
+    "init_sequence_parallel", "sequence_rank", "shard_attention", "all_to_all_meter",
+    "all_to_all_seconds",
     "Engine", "StepResult", "unwrap",
     "restricted_loads", "RESTRICTED_LOAD_ENV", "convert_to_universal", "consolidate_fp32",
     "PeakFlops", "peak_flops", "measure_matmul_flops", "memory_stats",

@@ -13,7 +13,10 @@ share of the sequence group's token mean (TrainModule scales it).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+import statistics
+import time
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 from torch import nn
@@ -86,3 +89,55 @@ def shard_attention(model: nn.Module, mpu) -> None:
         attn = block.attention
         if not isinstance(attn.core, UlyssesAttention):
             attn.core = UlyssesAttention(attn.core, group, size)
+
+
+# -- read-outs for measurement tools (llama-bench memory --sequence-parallel) ------------------
+
+
+@contextlib.contextmanager
+def all_to_all_meter() -> Iterator[Dict[str, float]]:
+    """Counts every all-to-all DeepSpeed runs inside (its sequence-parallel exchanges go through
+    ``deepspeed.comm.all_to_all_single``): calls, bytes (each call's output), the seconds spent
+    exchanging and the seconds spent before it waiting for the group's other ranks (a barrier
+    this meter adds, so that the exchange is timed with every rank present). gloo's calls are
+    synchronous; with NCCL these would be launch times only."""
+    from deepspeed import comm as dscomm
+
+    stats = {"calls": 0, "bytes": 0, "seconds": 0.0, "wait_seconds": 0.0}
+    inner = dscomm.all_to_all_single
+
+    def counted(output, tensor, *args, **kwargs):
+        t0 = time.perf_counter()
+        dscomm.barrier(group=kwargs.get("group"))
+        t1 = time.perf_counter()
+        out = inner(output, tensor, *args, **kwargs)
+        stats["wait_seconds"] += t1 - t0
+        stats["seconds"] += time.perf_counter() - t1
+        stats["calls"] += 1
+        stats["bytes"] += output.numel() * output.element_size()
+        return out
+
+    dscomm.all_to_all_single = counted
+    try:
+        yield stats
+    finally:
+        dscomm.all_to_all_single = inner
+
+
+def all_to_all_seconds(mpu, nbytes: int, reps: int = 7) -> float:
+    """Median seconds of one all-to-all of ``nbytes`` per rank over the sequence group, alone
+    (after one untimed call): the collective's own cost, to set beside the time a step spends
+    in them."""
+    from deepspeed import comm as dscomm
+
+    group, n = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_world_size()
+    elems = max(n, nbytes // 4 // n * n)
+    times = []
+    for i in range(reps + 1):
+        src, dst = torch.ones(elems), torch.empty(elems)  # fresh buffers, as in a step
+        dscomm.barrier(group=group)
+        t0 = time.perf_counter()
+        dscomm.all_to_all_single(dst, src, group=group)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -28,7 +28,8 @@ from llama_train.scaling.laws import (APPROACH1, APPROACH2, CHINCHILLA, EPOCH, F
                                       HOFFMANN_TABLEA3_APPROACH3, SARDANA, LossLaw, PowerLawFrontier,
                                       ScalingError, lifetime_optimal, load_fit)
 from llama_train.scaling.memory import (ACTIVATION_FORMULA, activation_memory, model_info, model_memory,
-                                        rank_peak_memory, deepspeed_estimate, fit_advice, RANK_PEAK_MECHANISMS)
+                                        rank_peak_memory, deepspeed_estimate, fit_advice, RANK_PEAK_MECHANISMS,
+                                        sequence_parallel_traffic)
 from llama_train.scaling.planners import (ExperimentPlan, FitSpec, compute_optimal, inference_optimal,
                                           plan_experiment, shape_for_params, target_aspect_ratio)
 
@@ -45,5 +46,5 @@ __all__ = [
     "ExperimentPlan", "plan_experiment",
     # memory
     "model_memory", "activation_memory", "model_info", "ACTIVATION_FORMULA", "rank_peak_memory",
-    "deepspeed_estimate", "fit_advice", "RANK_PEAK_MECHANISMS",
+    "deepspeed_estimate", "fit_advice", "RANK_PEAK_MECHANISMS", "sequence_parallel_traffic",
 ]

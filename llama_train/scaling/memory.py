@@ -193,6 +193,39 @@ def activation_memory(
     }
 
 
+def sequence_parallel_traffic(
+    args: Union["ModelArgs", str, Path],
+    micro_batch: int = 1,
+    seq_len: Optional[int] = None,
+    sequence_parallel: int = 2,
+    dtype: str = "bf16",
+    checkpointing: Optional[bool] = None,
+) -> Dict[str, Any]:
+    """The all-to-alls one rank runs for one micro-batch under sequence parallelism (Ulysses):
+    in every layer q, k, v and the attention output forward, their gradients backward, and the
+    forward's four again when activation checkpointing recomputes the block. Each exchanges the
+    rank's (b, s/N, heads, head_dim) tensor (k and v with max(n_kv_heads, N) heads: fewer are
+    copied up to N first) and (N-1)/N of it leaves the rank. Keys: calls, bytes (the exchanged
+    tensors, as each all-to-all's output), bytes_sent."""
+    args = _resolve_args(args)
+    p = _check_dtype(dtype)
+    s = args.max_seq_len if seq_len is None else int(seq_len)
+    n, b = int(sequence_parallel), int(micro_batch)
+    if n < 1 or s % n:
+        raise ScalingError(f"sequence_parallel={sequence_parallel} must be a positive divisor of "
+                           f"seq_len={s}")
+    ckpt = args.activation_checkpointing if checkpointing is None else bool(checkpointing)
+    passes = 3 if ckpt else 2  # forward, backward (+ the recomputed forward)
+    one_head = p * b * (s // n) * args.head_dim
+    q, kv = one_head * args.n_heads, one_head * max(args.kv_heads, n)
+    call_bytes = [] if n == 1 else [q, kv, kv, q]  # per layer and pass: q, k, v, out
+    total = passes * args.n_layers * sum(call_bytes)
+    return {"calls": len(call_bytes) * args.n_layers * passes, "bytes": float(total),
+            "call_bytes": call_bytes, "passes": passes, "layers": args.n_layers,
+            "bytes_sent": float(total * (n - 1) / n), "sequence_parallel": n, "seq_len": s,
+            "micro_batch": b, "dtype": dtype, "checkpointing": ckpt}
+
+
 def model_info(
     model: Union["ModelArgs", str, Path],
     *,
