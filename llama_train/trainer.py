@@ -558,18 +558,24 @@ class Trainer:
     def finish(self) -> str:
         """A text sample, the final run_info.json, then close (the last save is durable first:
         a write that failed stops the run here, exit 3)."""
-        self.ckpts.wait()
-        self._log_saves()
-        sample = generate_sample(self.engine, self.cfg.sample, self.cfg.trainer.seed,
-                                 self.prepared.tokenizer_path, self.rt.device, self.rt.is_main)
-        simulation = self._simulation_report()
-        if self.rt.is_main:
-            log.info("sample: %r", sample)
-            (Path(self.cfg.trainer.output_dir) / "sample.txt").write_text(sample + "\n")
-            self.write_run_info(final_val_loss=self.val_loss if self.sim is None else None,
-                                final_step=self.state.step, simulation=simulation)
-            if self.sim is None:
-                self._summarize()
+        try:
+            self.ckpts.wait()
+            self._log_saves()
+            sample = generate_sample(self.engine, self.cfg.sample, self.cfg.trainer.seed,
+                                     self.prepared.tokenizer_path, self.rt.device, self.rt.is_main)
+            simulation = self._simulation_report()
+            if self.rt.is_main:
+                log.info("sample: %r", sample)
+                (Path(self.cfg.trainer.output_dir) / "sample.txt").write_text(sample + "\n")
+                self.write_run_info(final_val_loss=self.val_loss if self.sim is None else None,
+                                    final_step=self.state.step, simulation=simulation)
+                if self.sim is None:
+                    self._summarize()
+        except BaseException:
+            # e.g. the last background write failed (exit 3): the loader's workers ignore
+            # SIGTERM, and one left running made the process wait for it forever at exit
+            self.loader.close()
+            raise
         self.close()
         return sample
 

@@ -120,12 +120,18 @@ def test_tokenizer_changed_mid_run_fails_the_save_and_keeps_the_good_checkpoint(
             if step == 3:  # after the good save of step 2
                 tok.write_bytes(good[: len(good) // 2])
 
+    import multiprocessing
+
     out = tmp_path / "tok"
+    before = set(multiprocessing.active_children())
     code, errors, err = _job([f"trainer.output_dir={out}", "trainer.max_steps=4",
                               "trainer.save_every=2", "trainer.keep_last=1",
                               f"data.prepared_dir={data}"], capsys, hooks=[Truncate()])
     prepared = shared
     assert code == 3, err[-3000:]
+    # the failed last write stopped the run in Trainer.finish: its loader workers (which ignore
+    # SIGTERM) were stopped too; one left behind made this process wait for it forever at exit
+    assert not set(multiprocessing.active_children()) - before
     assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
     msg = errors[0]
     assert "step_00000004" in msg and str(tok) in msg and "sha256" in msg, msg
