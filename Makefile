@@ -27,8 +27,8 @@ train: $(STAMP)
 	$(BIN)/llama-train $(ARGS)
 
 # Two pytest-xdist workers, each taking whole test files (module fixtures run once; the two
-# files sharing the zero3_run fixture as one unit, tests/conftest.py): 13-13.5 min of tests on
-# 2 idle cores (13:04 and 13:23 in fresh clones, after 60-90 s of set-up). PYTEST_WORKERS=0
+# files sharing the zero3_run fixture as one unit, tests/conftest.py): 14-15 min of tests on
+# 2 idle cores (14:20 and 14:56 in fresh clones, after 60-75 s of set-up). PYTEST_WORKERS=0
 # runs them in this process (for pdb, -x).
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadfile)
