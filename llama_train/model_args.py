@@ -67,8 +67,6 @@ class RopeScaling:
             keys = ", ".join(f.name for f in fields(cls))
             raise ValueError(f"model.rope_scaling must be a mapping of {keys}, got {value!r}")
         d = dict(value)
-        if "rope_type" in d and "type" not in d:  # Hugging Face's spelling
-            d["type"] = d.pop("rope_type")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

@@ -171,6 +171,36 @@ def _count_backward(engine, module, x, y) -> Dict[str, Any]:
             "loss": float(loss.item())}
 
 
+def _train_steps(eng, engine, module, meter, x, y, steps: int, exchanges: bool):
+    """Steps 1..``steps``, each a phase of ``meter``; step 2's backward counted tensor by tensor
+    (:func:`_count_backward`); with sequence parallelism (``exchanges``) the all-to-alls of each
+    step counted by ``engine.all_to_all_meter``. Returns (step 2's counts, the last step's
+    all-to-alls)."""
+    counted: Dict[str, Any] = {}
+    last: Dict[str, Any] = {}
+    for step in range(1, steps + 1):
+        meter.start()
+        with eng.all_to_all_meter() if exchanges else contextlib.nullcontext({}) as a2a:
+            if step == 2:
+                counted = _count_backward(engine, module, x, y)
+            else:
+                engine.backward(module.micro_loss(x, y))
+        engine.step()  # AdamW state exists from the first step on
+        meter.stop(f"step{step}")
+        last = dict(a2a)
+    return counted, last
+
+
+def _exchanges_alone(eng, mpu, margs, args) -> Dict[str, float]:
+    """Seconds of each of the planner's exchanges (q, k, v, out of a layer) timed alone, by
+    size in bytes."""
+    from llama_train.scaling import sequence_parallel_traffic
+
+    traffic = sequence_parallel_traffic(margs, args.micro_batch, args.seq_len,
+                                        args.sequence_parallel, args.precision)
+    return {str(b): eng.all_to_all_seconds(mpu, b) for b in sorted(set(traffic["call_bytes"]))}
+
+
 def main(argv=None) -> None:
     args = _parse(argv)
 
@@ -217,24 +247,9 @@ def main(argv=None) -> None:
     g = torch.Generator().manual_seed(rt.rank // sp)  # a sequence group draws the same tokens
     x = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), generator=g)
     y = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), generator=g)
-    counted: Dict[str, Any] = {}
-    exchanges: Dict[str, Any] = {}
-    for step in range(1, args.steps + 1):
-        meter.start()
-        with eng.all_to_all_meter() if sp > 1 else contextlib.nullcontext({}) as a2a:
-            if step == 2:
-                counted = _count_backward(engine, module, x, y)  # step 2's backward, counted
-            else:
-                engine.backward(module.micro_loss(x, y))
-        engine.step()  # AdamW state exists from the first step on
-        meter.stop(f"step{step}")
-        exchanges = dict(a2a)  # the last step's all-to-alls
-    if sp > 1:  # each of the planner's exchanges (q, k, v, out of a layer), timed alone
-        from llama_train.scaling import sequence_parallel_traffic
-
-        plan = sequence_parallel_traffic(margs, args.micro_batch, args.seq_len, sp, args.precision)
-        exchanges["alone"] = {str(b): eng.all_to_all_seconds(mpu, b)
-                              for b in sorted(set(plan["call_bytes"]))}
+    counted, exchanges = _train_steps(eng, engine, module, meter, x, y, args.steps, sp > 1)
+    if sp > 1:
+        exchanges["alone"] = _exchanges_alone(eng, mpu, margs, args)
     result = {
         "rank": rt.rank, "world_size": rt.world_size, "stage": args.stage,
         "sequence_parallel": sp, "all_to_all": exchanges,
