@@ -3,6 +3,7 @@
 import glob
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -13,10 +14,16 @@ from llama_train.proc import ds_shm_buffer
 # One OpenBLAS thread for numpy/scipy in this process and in what it starts, set before numpy is
 # imported: on 2 cores OpenBLAS's spin-waiting threads make the many small solves of the scaling
 # fits several times slower whenever anything else runs (tests/test_scaling_fit.py beside two
-# busy processes: 17.5 s with its default 2 threads, 6.9 s with 1). torch's own threads are left
-# alone (so is MKL_NUM_THREADS, which torch would take as its thread count): a one-process
-# training run is faster with both cores; the launched ranks get OMP_NUM_THREADS=1 from _env.
+# busy processes: 17.5 s with its default 2 threads, 6.9 s with 1). The launched ranks get
+# OMP_NUM_THREADS=1 from helpers._env. Under pytest-xdist (make test: 3 workers on 2 cores) so
+# does torch in each worker and what it starts: with a thread per core each, the workers'
+# OpenMP threads spun against each other (a fresh clone's make test: 26:13 of CPU, 16:18 of tests;
+# with one thread: 21:54 and 13:54). Alone (PYTEST_WORKERS=0) torch keeps both cores.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:  # imported before this file (a plugin): too late for the variable
+        sys.modules["torch"].set_num_threads(1)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -69,7 +76,7 @@ def zero3_run(tmp_path_factory):
     return out
 
 
-# The files with the most launcher runs, longest first. `make test` runs the suite on two
+# The files with the most launcher runs, longest first. `make test` runs the suite on three
 # pytest-xdist workers that take whole files (--dist loadfile) in collection order: starting
 # with these leaves the short files to fill the end, instead of one long file running alone.
 # That order holds only with --no-loadscope-reorder: by default xdist sends the files with the

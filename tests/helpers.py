@@ -111,9 +111,12 @@ def one_process(out: Path, overrides: List[str], log: Path, timeout: float = 300
 
 def train(out: Path, overrides: List[str] = (), nprocs: int = 2, timeout: float = 300,
           check: bool = True, env=None, log_name: str = "train.log") -> int:
-    """``deepspeed --num_gpus N --module llama_train.train`` with the tiny settings."""
+    """``deepspeed --num_gpus N --module llama_train.train`` with the tiny settings. Hydra's
+    options in ``overrides`` (``--multirun``) go first: Hydra reads none after an override."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", *overrides], nprocs)
+    flags = [o for o in overrides if o.startswith("--")]
+    rest = [o for o in overrides if not o.startswith("--")]
+    cmd = launcher_cmd([*flags, *TINY, f"trainer.output_dir={out}", *rest], nprocs)
     return run(cmd, out.parent / f"{out.name}-{log_name}", timeout, env, check)
 
 

@@ -29,12 +29,32 @@ def runs(tmp_path_factory):
     return tmp_path_factory.mktemp("train_runs")
 
 
+STAGES = (0, 1, 2)  # ZeRO-3: conftest.py's zero3_run
+
+
 @pytest.fixture(scope="module")
-def baseline(runs):
-    """ZeRO-0, 2 ranks, micro batch 2, no accumulation: the reference the others must match."""
-    out = runs / "zero0"
-    train(out, ["deepspeed.zero_stage=0", "trainer.eval_every=3", "trainer.save_every=3"])
-    return out
+def sweep(runs):
+    """One launch, one process group, six jobs of a ``--multirun`` sweep (as users sweep):
+    ZeRO 0, 1 and 2, each at micro-batch 2 (no accumulation) and at micro-batch 1 (accumulation
+    2), global batch 4. Each job trains in its own directory, ``<output_dir>/<swept values>``:
+    (stage, micro) -> that directory."""
+    out = runs / "sweep"
+    train(out, ["--multirun", f"deepspeed.zero_stage={','.join(map(str, STAGES))}",
+                "trainer.micro_batch=2,1", "trainer.global_batch=4", "trainer.eval_every=3",
+                "trainer.save_every=3", f"hydra.sweep.dir={runs / 'hydra'}"])
+    jobs = {}
+    for d in out.iterdir():
+        swept = dict(part.split("=") for part in d.name.split(","))
+        jobs[int(swept["deepspeed.zero_stage"]), int(swept["trainer.micro_batch"])] = d
+    assert sorted(jobs) == sorted((s, m) for s in STAGES for m in (2, 1)), sorted(jobs)
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def baseline(sweep):
+    """ZeRO-0, 2 ranks, micro batch 2, no accumulation: the reference the others must match
+    (the sweep's first job)."""
+    return sweep[0, 2]
 
 
 def _close(a, b, tol=TOL):
@@ -69,25 +89,34 @@ def test_baseline_run_is_complete(baseline):
     assert len(steps) == len({r["step"] for r in steps})
 
 
+def test_one_launch_runs_every_job_of_a_sweep(sweep, runs):
+    """``deepspeed ... --multirun``: every job ran to its end in its own directory, one after
+    the other in the same two ranks."""
+    for (stage, micro), out in sweep.items():
+        assert sorted(losses(out)) == list(range(1, 7)), (stage, micro)
+        info = RunInfo.read(out / "run_info.json")
+        assert info.final_val_loss is not None
+    log = (runs / "sweep-train.log").read_text()
+    assert log.count("--multirun job") == len(sweep), tail(runs / "sweep-train.log")
+    assert log.count("spawned with command") == 2  # the launcher started its two ranks once
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_agree(stage, baseline, runs, request):
+def test_zero_stages_agree(stage, baseline, sweep, request):
     """Same trajectory at every stage; step 1 (before any update) shows that every stage starts
     from the same weights, ZeRO-3's built partitioned: equal up to the order of the loss sum.
-    (ZeRO-3: conftest.py's zero3_run, which tests/test_zero3.py resumes and reshards.)"""
-    if stage == 3:
-        out = request.getfixturevalue("zero3_run")
-    else:
-        out = runs / f"zero{stage}"
-        train(out, [f"deepspeed.zero_stage={stage}"])
+    (ZeRO-3: conftest.py's zero3_run, which tests/test_zero3.py resumes and reshards; the others
+    are jobs of one --multirun launch, after the baseline in the same processes.)"""
+    out = request.getfixturevalue("zero3_run") if stage == 3 else sweep[stage, 2]
     _close(losses(out), losses(baseline))
     assert abs(losses(out)[1] - losses(baseline)[1]) < 1e-6
     _same_val(out, baseline)
 
 
-def test_grad_accumulation_matches_micro_batch(baseline, runs):
+@pytest.mark.parametrize("stage", STAGES)
+def test_grad_accumulation_matches_micro_batch(stage, baseline, sweep):
     """global batch 4 on 2 ranks: micro 1 x accumulation 2 == micro 2 x accumulation 1."""
-    out = runs / "accum"
-    train(out, ["trainer.micro_batch=1", "trainer.global_batch=4"])
+    out = sweep[stage, 1]
     _close(losses(out), losses(baseline))
     _same_val(out, baseline)  # the evaluation in batches of 1 instead of 2
 

@@ -88,8 +88,9 @@ def test_throughput_is_the_log_intervals(tmp_path):
         assert r["tokens_per_s"] * r["interval_s"] == pytest.approx(
             r["interval_steps"] * tokens_per_step)
         assert r["interval_s"] >= 0.4 + r["interval_steps"] * r["step_time_s"] * 0.5
-        # the last step's own rate (what was reported before) is far above the interval's
-        assert r["tokens_per_s"] < 0.8 * tokens_per_step / r["step_time_s"]
+        # (the last step's own rate, what was reported before, fails the product check above:
+        # the interval's wall time holds the pause. A comparison with the median step time
+        # instead failed under load, with steps slower than the pause: 188.7 > 0.8 x 256 / 1.16)
         assert r["mfu"] * (logged[6]["tokens_per_s"] / r["tokens_per_s"]) \
             == pytest.approx(logged[6]["mfu"])  # one peak for the run
 

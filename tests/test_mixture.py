@@ -238,17 +238,27 @@ def test_mixture_with_document_mask_trains_in_process(sources, small, tmp_path, 
     assert "data.mixture: source small was read through; it starts epoch 1" in capfd.readouterr().err
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_mixture_with_document_mask_through_the_launcher(stage, sources, small, tmp_path):
-    """2 ranks through the deepspeed launcher, ZeRO-0/1/2 (ZeRO-3: the resume test below)."""
-    from helpers import metrics, train as launch
+@pytest.fixture(scope="module")
+def by_stage(sources, small, tmp_path_factory):
+    """ZeRO-0, 1 and 2: three jobs of one --multirun launch (one process group for the three,
+    as a user's sweep): stage -> its job's directory."""
+    from helpers import train as launch
 
     _, _, code, _ = sources
-    out = tmp_path / "run"
-    launch(out, [_mixture_override(code, small), *MIXED, "trainer.max_steps=3",
-                 f"deepspeed.zero_stage={stage}"])
-    _check_records(metrics(out), [1, 2, 3], WEIGHTS)
+    root = tmp_path_factory.mktemp("mixture_stages")
+    launch(root / "sweep", ["--multirun", _mixture_override(code, small), *MIXED,
+                            "trainer.max_steps=3", "deepspeed.zero_stage=0,1,2",
+                            f"hydra.sweep.dir={root / 'hydra'}"])
+    return {s: root / "sweep" / f"deepspeed.zero_stage={s}" for s in (0, 1, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_mixture_with_document_mask_through_the_launcher(stage, by_stage):
+    """2 ranks through the deepspeed launcher, ZeRO-0/1/2 (ZeRO-3: the resume test below)."""
+    from helpers import metrics
+
+    _check_records(metrics(by_stage[stage]), [1, 2, 3], WEIGHTS)
 
 
 @pytest.mark.slow
