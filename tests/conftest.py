@@ -3,7 +3,6 @@
 import glob
 import os
 import shutil
-import sys
 import tempfile
 import time
 
@@ -20,10 +19,8 @@ from llama_train.proc import ds_shm_buffer
 # OpenMP threads spun against each other (a fresh clone's make test: 26:13 of CPU, 16:18 of tests;
 # with one thread: 21:54 and 13:54). Alone (PYTEST_WORKERS=0) torch keeps both cores.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-if os.environ.get("PYTEST_XDIST_WORKER"):
+if os.environ.get("PYTEST_XDIST_WORKER"):  # before torch's first import (none comes earlier)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if "torch" in sys.modules:  # imported before this file (a plugin): too late for the variable
-        sys.modules["torch"].set_num_threads(1)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
