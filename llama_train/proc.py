@@ -57,12 +57,40 @@ def limit_retained_heap(threshold: int = 65536) -> bool:
 
 
 def free_port() -> int:
-    """A TCP port free on this host right now (for a rendezvous on 127.0.0.1)."""
+    """A TCP port free on this host right now, for a rendezvous on 127.0.0.1 that binds it a
+    few seconds later (once the launcher and the ranks have started).
+
+    Chosen below the kernel's ephemeral range (``net.ipv4.ip_local_port_range``, 32768-60999 by
+    default): a port from that range (what binding port 0 gives) is also what the kernel hands
+    to outgoing connections, and on a busy host one of them took it before the rendezvous bound
+    it ("EADDRINUSE" from the TCPStore, seen in a test run with three jobs starting at once).
+    Ports below the range go only to programs that ask for them by number."""
+    import random
     import socket
 
-    with socket.socket() as s:
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every try taken: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections (32768 if unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low if low > 2048 else 32768
 
 
 def ds_shm_buffer(addr: str, port, rank: int) -> str:

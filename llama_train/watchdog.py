@@ -173,6 +173,17 @@ class Deadline:
         self.what, self.timeout_s, self.rank, self.key = what, float(timeout_s), rank, key
         self.on_expiry = on_expiry
         self.since: Optional[float] = None  # monotonic start of the wait in progress
+        self.expired = False  # set by the deadline thread before it stops the rank
+
+    def wait_out(self, limit_s: float = 30.0) -> None:
+        """For the waiting thread when its wait fails after this deadline expired (the data
+        loader raises once ``on_expiry`` has killed its workers): sleep while the deadline
+        thread stops the rank with its own line and exit code 5, instead of raising into the
+        exit path beside it (a run under load once exited 5 with Hydra's "Error executing job"
+        and neither thread's message). Returns if the rank is still alive after ``limit_s``."""
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end:
+            time.sleep(0.1)
 
     def __enter__(self) -> "Deadline":
         self.since = time.monotonic()
@@ -224,6 +235,7 @@ class _DeadlineThread(threading.Thread):
 
 
 def _expire(d: Deadline, waited: float) -> None:
+    d.expired = True
     step, _ = position()
     where = f"at step {step}" if step is not None else "at start-up"
     why = ""
