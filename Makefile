@@ -20,17 +20,10 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --no-compile "$(TORCH_SPEC)"
-	$(BIN)/pip install --no-compile -e .
-	@# On CPU, DeepSpeed's CPU Adam (ZeRO-Offload) compiles on the core pip leaves idle while it
-	@# installs the extras, instead of at the first offload run (~100 CPU-s; its log:
-	@# $(VENV)/cpu_adam_build.log; if it fails, DeepSpeed builds it again at first use).
-	@# The bytecode pip would write one file at a time (37 of 69 s here) is compiled on every
-	@# core; compileall exits 1 for torch's one Python-3.12-only file, which pip skips as well.
-	$(if $(filter cpu,$(DS_ACCELERATOR)),$(BIN)/python -m llama_train.engine.build \
-	  >$(VENV)/cpu_adam_build.log 2>&1 &) \
-	$(BIN)/pip install --no-compile -e ".[dev]"; rc=$$?; \
-	if [ $$rc = 0 ]; then $(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null; fi; \
-	wait; exit $$rc
+	$(BIN)/pip install --no-compile -e ".[dev]"
+	@# the bytecode pip would write one file at a time (37 of 69 s here), on every core: 21 s;
+	@# it exits 1 for torch's one Python-3.12-only file, which pip skips as well
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	touch $(STAMP)
 
 train: $(STAMP)
@@ -39,10 +32,11 @@ train: $(STAMP)
 # Three pytest-xdist workers on 2 cores (a third keeps the CPU busy while a job waits on a
 # timeout or the launcher's 1 s poll), each taking whole test files (module fixtures run once;
 # the two files sharing the zero3_run fixture as one unit, tests/conftest.py), torch on one
-# thread in each: 12:19 of tests in a fresh clone on 2 idle cores, 13:14 with the set-up.
+# thread in each: 12:19 of tests in a fresh clone on 2 idle cores, 13:14 with the set-up; on a
+# slower 2-core machine (AMD EPYC at 2.45 GHz, `import torch` 2.3-2.6 s) 25:18 and 28:02.
 # PYTEST_WORKERS=0 runs them in this process (for pdb, -x).
 PYTEST_WORKERS ?= 3
-XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadfile)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)

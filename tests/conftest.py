@@ -73,19 +73,14 @@ def zero3_run(tmp_path_factory):
     return out
 
 
-# The files that take longest, longest first (per-file sums of `--durations=0` in a fresh clone's
-# make test). `make test` runs the suite on three pytest-xdist workers that take whole files
-# (--dist loadfile) in collection order, so the long files start at once and the short ones fill
-# the end instead of one long file running alone (simulated on those durations: 1446 s against
-# 1497 s in xdist's default order, which sends the files with the most tests first; the ideal is
-# 1445). That order holds only with --no-loadscope-reorder, which the Makefile passes.
-# (SAME_WORKER's pair below is one unit, in test_zero3.py's place.)
-HEAVY_FIRST = ("test_docs_commands.py", "test_zero3.py", "test_reliability.py",
-               "test_checkpoint.py", "test_integrity.py", "test_mixture.py",
-               "test_sequence_parallel.py", "test_simulate.py", "test_hang.py",
-               "test_data_holes.py", "test_bench.py", "test_downstream.py", "test_bad_inputs.py",
-               "test_scaling_study.py", "test_checkpoint_holes.py", "test_comm.py",
-               "test_scaling_runs.py", "test_data_prepare.py", "test_data_multiproc.py")
+# The files with the most launcher runs, longest first. `make test` runs the suite on three
+# pytest-xdist workers that take whole files (--dist loadfile) in collection order: starting
+# with these leaves the short files to fill the end, instead of one long file running alone.
+# That order holds only with --no-loadscope-reorder: by default xdist sends the files with the
+# most tests first. (SAME_WORKER's pair below is one unit, in test_zero3.py's place.)
+HEAVY_FIRST = ("test_zero3.py", "test_hang.py", "test_reliability.py", "test_launcher_runs.py",
+               "test_integrity.py", "test_mixture.py", "test_data_holes.py", "test_checkpoint.py",
+               "test_bench.py", "test_scaling_study.py", "test_checkpoint_holes.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

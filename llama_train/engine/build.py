@@ -121,16 +121,6 @@ def preload_deepspeed(offload: bool) -> None:
         DeepSpeedCPUAdam([p]).step()
 
 
-def build_cpu_adam() -> None:
-    """Compile DeepSpeed's CPU Adam extension (ZeRO-Offload's optimizer) into
-    ``$TORCH_EXTENSIONS_DIR`` now, instead of at the first offload run: DeepSpeed JIT-builds it
-    on first use (about 100 CPU-s on 2 cores), and every later load finds it built. ``make
-    setup`` runs this beside pip (``python -m llama_train.engine.build``)."""
-    from deepspeed.ops.op_builder import CPUAdamBuilder
-
-    CPUAdamBuilder().load()
-
-
 def warm_up(offload: bool) -> None:
     """Load the code every rank runs, for measurement tools that read an idle baseline before
     building (``llama-bench memory``, a simulated rank): torch._dynamo (torch loads it lazily on
@@ -156,7 +146,3 @@ def warm_up(offload: bool) -> None:
         opt.step()
     del net, opt
     gc.collect()
-
-
-if __name__ == "__main__":
-    build_cpu_adam()
