@@ -19,8 +19,10 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 N="${NPROC_PER_NODE:-1}"
 [[ "$N" =~ ^[1-9][0-9]*$ ]] || { echo "local_two_nodes.sh: NPROC_PER_NODE=$N must be a positive integer" >&2; exit 2; }
 py="${PYTHON:-python3}"
-# a free port below the kernel's range for outgoing connections (llama_train.proc.free_port)
-port="${MASTER_PORT:-$("$py" -c 'from llama_train.proc import free_port; print(free_port())')}"
+# a free port below the kernel's range for outgoing connections (llama_train.proc.free_port);
+# any free port where $py cannot import llama_train
+port="${MASTER_PORT:-$("$py" -c 'from llama_train.proc import free_port; print(free_port())' 2>/dev/null \
+  || "$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 
 hostfile="$(mktemp "${TMPDIR:-/tmp}/two_nodes_hostfile.XXXXXX")"
 pids=()

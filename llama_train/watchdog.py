@@ -175,23 +175,20 @@ class Deadline:
         self.since: Optional[float] = None  # monotonic start of the wait in progress
         self.expired = False  # set by the deadline thread before it stops the rank
 
-    def wait_out(self, limit_s: float = 30.0) -> None:
-        """For the waiting thread when its wait fails after this deadline expired (the data
-        loader raises once ``on_expiry`` has killed its workers): sleep while the deadline
-        thread stops the rank with its own line and exit code 5, instead of raising into the
-        exit path beside it (a run under load once exited 5 with Hydra's "Error executing job"
-        and neither thread's message). Returns if the rank is still alive after ``limit_s``."""
-        end = time.monotonic() + limit_s
-        while time.monotonic() < end:
-            time.sleep(0.1)
-
     def __enter__(self) -> "Deadline":
         self.since = time.monotonic()
         _DeadlineThread.watch(self)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         self.since = None
+        if exc_type is not None and issubclass(exc_type, Exception) and self.expired:
+            # The wait failed because the deadline ended it (the data loader raises once
+            # on_expiry has killed its workers): sleep while the deadline thread stops the rank
+            # with its own line and exit 5, instead of raising into the exit path beside it (a
+            # run under load once exited 5 with Hydra's "Error executing job" and neither
+            # thread's message). Raise after 30 s if the rank is somehow still alive.
+            time.sleep(30.0)
 
 
 class _DeadlineThread(threading.Thread):

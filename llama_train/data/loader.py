@@ -340,12 +340,6 @@ class TrainLoader:
                     batch = next(it)
             except DataError as e:  # e.g. a shard failing its sha256 check in a worker
                 raise self._where(_unwrap_worker_error(e)) from None
-            except Exception:
-                # the deadline killed the workers ("DataLoader worker ... killed by signal"):
-                # its thread is stopping this rank with the line that says why
-                if self._deadline is not None and self._deadline.expired:
-                    self._deadline.wait_out()
-                raise
             count += 1
             if count % per_step == 0:  # this micro-batch completes a global batch
                 self.consumed_samples = start + (count // per_step) * self.global_batch
