@@ -49,10 +49,12 @@ test-fast: $(STAMP)
 gpu-check:
 	bash launch/gpu_check.sh $(ARGS)
 
-# Our scaling study, end to end on 2 CPU cores (~50 min): lr vs size, the IsoFLOP sweep, the
-# Approach 2/3 fits and plot, then the compute- vs inference-optimal pair (docs/scaling.md).
-# STAGES=fit,frontier starts from the committed docs/data/isoflop_runs.csv.
-STAGES ?= lr,sweep,fit,frontier
+# Our scaling study, end to end on 2 CPU cores (~4 h on the slower machine: the IsoFLOP sweep,
+# 5 budgets x 7-8 sizes, is ~3 h of it): lr vs size, the sweep, a second seed near each minimum,
+# the Approach 2/3 fits and plot, then the compute- vs inference-optimal pairs (docs/scaling.md).
+# A stopped study goes on where it was; STAGES=fit,frontier starts from the committed
+# docs/data/isoflop_runs.csv.
+STAGES ?= lr,sweep,seeds,fit,frontier
 scaling-demo: $(STAMP)
 	$(BIN)/python -m llama_train.scaling.study --stages $(STAGES) $(ARGS)
 

@@ -291,6 +291,10 @@ class ScalingConfig:
     # included) or non_embedding (Kaplan's; where a large vocabulary dominates a tiny model).
     count: str = "total"
     tolerance: float = per_launch(0.05)  # how far the chosen shape's count may be from the planned N
+    # Only shapes of the planner's family (dim/n_layers within 1.6x of its target aspect ratio,
+    # the shapes our IsoFLOP sweep fits its law on): where none is within tolerance, an error
+    # naming the closest, rather than a deeper or shallower shape the law never saw.
+    family_only: bool = False
     # The plan's tokens over the train split: above 1 warns (repeated data), above this refuses.
     max_epochs: float = per_launch(4.0)
     # The learning rate per run: optim.lr is the rate at lr_ref_params parameters (this count)

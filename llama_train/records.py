@@ -68,6 +68,12 @@ class RunInfo:
     """What MFU is measured against: {"value": FLOP/s, "source": how it was found}."""
     command: Optional[str]
     """The llama-train command that reruns this run alone."""
+    count: Optional[str] = None
+    """scaling.count of an ``experiment=...`` run: which parameter count its budget C = 6 N D
+    was planned on ("total" or "non_embedding"); ``llama-plan fit`` fits on that one by default."""
+    epoch_tokens: Optional[int] = None
+    """Tokens in one pass over the train split: the fit models a run that reads more than that
+    (repeated tokens, Muennighoff et al. 2023)."""
     final_val_loss: Optional[float] = None
     """The last evaluation's val_loss (None: the data has no validation split)."""
     final_step: Optional[int] = None

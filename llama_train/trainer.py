@@ -627,5 +627,8 @@ class Trainer:
                 seq_len=p.seq_len, max_steps=steps, flops_per_token=self.fpt,
                 flops=self.fpt * steps * p.tokens_per_step,
                 peak_flops={"value": self.peak.value, "source": self.peak.source},
-                command=self.command, final_val_loss=final_val_loss,
+                command=self.command,
+                count=cfg.scaling.count if cfg.scaling.mode != "none" else None,
+                epoch_tokens=int(self.prepared.meta["splits"]["train"]["tokens"]),
+                final_val_loss=final_val_loss,
                 final_step=final_step, simulation=simulation).write(Path(cfg.trainer.output_dir) / RUN_INFO_FILE)

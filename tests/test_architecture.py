@@ -251,7 +251,7 @@ def test_model_knows_no_distribution(mods, name):
 RUN_INFO = dict(params={"total": 10, "embedding": 4, "non_embedding": 6}, model_args={"dim": 8},
                 flop_budget=None, tokens=1024, global_batch=8, seq_len=64, max_steps=2,
                 flops_per_token=1.5e6, flops=1.536e9, peak_flops={"value": 1e12, "source": "x"},
-                command="llama-train trainer.max_steps=2")
+                command="llama-train trainer.max_steps=2", count="total", epoch_tokens=4096)
 
 
 @pytest.mark.parametrize("final", [{}, {"final_val_loss": 3.25, "final_step": 2},

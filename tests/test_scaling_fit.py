@@ -201,12 +201,12 @@ def test_cli_fit_on_a_csv_prints_both_approaches_and_writes_a_png(tmp_path, caps
     write_runs_csv(runs, tmp_path / "runs.csv")
     png = tmp_path / "plots" / "iso.png"
     assert main(["fit", str(tmp_path / "runs.csv"), "--out", str(png), "--top-k", "8", "--bootstrap", "100",
-                 "--bootstrap-a3", "10", "--bootstrap-top-k", "2", "--seed", "1"]) == 0
+                 "--bootstrap-a3", "10", "--bootstrap-top-k", "2", "--seed", "1", "--window", "0"]) == 0
     out = capsys.readouterr().out
     assert "(N = total parameters)" in out and "min_below_range: minimum below the smallest sampled N" in out
     assert "power laws over 4 of 5 budgets" in out and "N_opt = k_N C^a: a = 0." in out
     assert "a = beta/(alpha+beta)" in out and "bootstrap: 100 resamples" in out and "failed" in out
-    assert ("reproduce: llama-plan fit " + str(tmp_path / "runs.csv") + " --params total --top-k 8 --bootstrap 100 "
+    assert ("reproduce: llama-plan fit " + str(tmp_path / "runs.csv") + " --params total --window 0 --top-k 8 --bootstrap 100 "
             "--bootstrap-a3 10 --bootstrap-top-k 2 --seed 1") in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
@@ -252,5 +252,59 @@ def test_window_fits_each_parabola_near_its_best_run(tmp_path, capsys):
     res = fit_approach2(runs, window=2, bootstrap=20)
     assert res.n_opt_law.exponent == pytest.approx(0.5, abs=0.03) and res.bootstrap.n_resamples == 20
     write_sweep_dir(tmp_path / "sweep", runs)
-    assert main(["fit", str(tmp_path / "sweep"), "--window", "0"]) == 2
-    assert "--window=0 must be >= 1" in capsys.readouterr().err
+    assert main(["fit", str(tmp_path / "sweep"), "--window", "-1"]) == 2
+    assert "--window=-1 must be >= 0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------
+# Repeated tokens (Muennighoff et al. 2023) and the defaults of `llama-plan fit`
+# ------------------------------------------------------------------------------------------
+
+def test_repeated_tokens_are_worth_less_and_the_fit_says_so():
+    """D' = U + U R* (1 - exp(-R/R*)): D itself within an epoch, a little less at 2 epochs.
+    Runs whose losses follow L(N, D') with some of them repeating data: Approach 3 on D'
+    recovers the law's exponent; on the raw token counts it does not."""
+    from llama_train.scaling.runs import REPEAT_HALF_LIFE, effective_tokens
+
+    assert effective_tokens(5e6, 1e7) == 5e6 and effective_tokens(3e7, None) == 3e7
+    assert effective_tokens(2e7, 1e7) == pytest.approx(1e7 * (1 + REPEAT_HALF_LIFE * (1 - math.exp(-1 / 15.4))))
+    assert 1.96e7 < effective_tokens(2e7, 1e7) < 2e7 and effective_tokens(4e7, 1e7) < 3.9e7
+    runs = synth_runs(HALF, noise=0.0)
+    unique = sorted(r.tokens for r in runs)[len(runs) // 2]  # half the runs read more than one epoch
+    for r in runs:
+        r.unique_tokens = unique
+        r.val_loss = float(HALF.loss(r.n_params, r.effective_tokens))
+    assert sum(r.tokens > 3 * unique for r in runs) >= 5
+    fit = analyse_runs(runs, top_k=16, bootstrap=0, bootstrap_a3=0).approach3
+    a_fit = fit.law.beta / (fit.law.alpha + fit.law.beta)
+    for r in runs:
+        r.unique_tokens = None  # the same losses read as fresh tokens
+    raw = analyse_runs(runs, top_k=16, bootstrap=0, bootstrap_a3=0).approach3
+    a_raw = raw.law.beta / (raw.law.alpha + raw.law.beta)
+    assert fit.rms_log_residual < 1e-3 < raw.rms_log_residual  # the law fits D', not D
+    assert abs(a_fit - 0.5) < 0.005 < abs(a_raw - 0.5), (a_fit, a_raw)
+
+
+def test_fit_defaults_to_the_count_the_runs_were_planned_on(tmp_path, capsys):
+    """A runs CSV (or sweep) whose runs recorded scaling.count=non_embedding is fitted on that
+    count without flags, Approach 2 over the runs within DEFAULT_WINDOW sizes of each best; the
+    CSV keeps unique_tokens and count through a write and a read."""
+    from llama_train.scaling.approach2 import DEFAULT_WINDOW
+    from llama_train.scaling.runs import load_runs_csv
+
+    runs = synth_runs(HALF, budgets=BUDGETS[:4], sizes=7)
+    for r in runs:
+        r.count, r.unique_tokens = "non_embedding", 1e12
+    write_runs_csv(runs, tmp_path / "runs.csv")
+    back, _ = load_runs_csv(tmp_path / "runs.csv")
+    assert [(r.count, r.unique_tokens) for r in back] == [("non_embedding", 1e12)] * len(runs)
+    assert main(["fit", str(tmp_path / "runs.csv"), "--bootstrap", "0", "--bootstrap-a3", "0", "--top-k", "8",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["params_convention"] == "non_embedding"
+    assert f"--params non_embedding --window {DEFAULT_WINDOW} " in res["command"]
+    runs[0].count = "total"  # runs that disagree: Chinchilla's total count
+    write_runs_csv(runs, tmp_path / "mixed.csv")
+    assert main(["fit", str(tmp_path / "mixed.csv"), "--bootstrap", "0", "--bootstrap-a3", "0", "--top-k", "8",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["params_convention"] == "total"

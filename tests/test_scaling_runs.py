@@ -63,6 +63,8 @@ def test_isoflop_multirun_and_fit(tmp_path):
     infos = [RunInfo.read(p) for p in sorted(sweep.glob("*/run_info.json"))]
     assert len(infos) == 2
     assert all(i.final_val_loss and i.flop_budget == 2e10 for i in infos)
+    # the count the budget was planned on, and one epoch of the train split (for the fit)
+    assert all(i.count == "total" and i.epoch_tokens > 0 for i in infos)
     for i in infos:  # each point trains about C / (6 N) tokens
         assert abs(i.tokens - 2e10 / (6 * i.params["total"])) / i.tokens < 0.2
     # each point records its own command (its own scaling.params), to rerun it alone

@@ -16,8 +16,9 @@ import pytest
 from helpers import REPO
 from llama_train.model import count_params
 from llama_train.records import RunInfo
-from llama_train.scaling.planners import shape_for_params, target_aspect_ratio
-from llama_train.scaling.study import BUDGETS, TOLERANCE, VOCAB, ladder, main, sizes_for
+from llama_train.scaling.planners import aspect_miss, in_family, shape_for_params
+from llama_train.scaling.study import (BUDGETS, GUESS_A, GUESS_C, GUESS_N, MAX_EPOCHS, MIN_RATIO, OVERTRAIN_TPP,
+                                       SIZES, TOLERANCE, VOCAB, ladder, main, sizes_for)
 
 RUNS_CSV = REPO / "docs" / "data" / "isoflop_runs.csv"
 FRONTIER_CSV = REPO / "docs" / "data" / "frontier_runs.csv"
@@ -35,20 +36,50 @@ def test_ladder_is_one_shape_family_the_planner_builds():
     for n in sizes:
         m = shape_for_params(n, VOCAB, 256, count="non_embedding", tolerance=TOLERANCE)
         assert count_params(m)["non_embedding"] == n  # the target is what gets built
-        assert abs(math.log(m.dim / m.n_layers / target_aspect_ratio(m.dim))) <= math.log(1.6)
+        assert in_family(m.dim, m.n_layers)
+        assert aspect_miss(m.dim, m.n_layers) <= math.log(1.6) and (m.n_layers == 1 or m.dim / m.n_layers >= 20)
 
 
-def test_each_budget_gets_five_sizes_around_its_optimum_within_one_epoch():
+def test_the_planner_keeps_to_the_family_between_its_sizes():
+    """A count between two of the family's sizes gets the nearer one within tolerance; with
+    ``family_only`` (configs/study/cpu.yaml: scaling.family_only) a tolerance it cannot meet is a
+    refusal naming the closest family shape, never a shape outside the family (the earlier
+    planner built 24 x 3 layers, dim/n_layers 8, for 34.6k: the frontier's inference-optimal model)."""
+    from llama_train.config import ConfigError, ScalingConfig
+    from llama_train.model import ModelArgs
+    from llama_train.scaling.laws import ScalingError
+    from llama_train.scaling.planners import plan_experiment
+
+    m = shape_for_params(34_600, VOCAB, 256, count="non_embedding", tolerance=0.2, family_only=True)
+    assert in_family(m.dim, m.n_layers) and (m.dim, m.n_layers) == (32, 1)
+    with pytest.raises(ScalingError, match=r"of the family .*closest: dim=32, n_layers=1, off by 13\.9%"):
+        shape_for_params(34_600, VOCAB, 256, count="non_embedding", tolerance=0.1, family_only=True)
+    loose = shape_for_params(34_600, VOCAB, 256, count="non_embedding", tolerance=0.1)
+    assert not in_family(loose.dim, loose.n_layers)  # without it, the old fallback: said in the plan
+    cfg = dict(mode="fixed", flops=1e12, params=34_600, count="non_embedding", tolerance=0.1)
+    plan = plan_experiment(ScalingConfig(**cfg), ModelArgs(vocab_size=VOCAB, max_seq_len=256), 256, 2048, 20)
+    assert "outside the shape family" in plan.describe()
+    with pytest.raises(ConfigError, match=r"scaling\.family_only=false"):
+        plan_experiment(ScalingConfig(**cfg, family_only=True), ModelArgs(vocab_size=VOCAB, max_seq_len=256),
+                        256, 2048, 20)
+
+
+def test_each_budget_gets_seven_sizes_around_its_optimum():
     lad = ladder()
-    assert math.log10(max(BUDGETS) / min(BUDGETS)) >= 1.5
+    assert len(BUDGETS) >= 5 and math.log10(max(BUDGETS) / min(BUDGETS)) >= 2
+    overtrained = []
     for c in BUDGETS:
-        ns = sizes_for(c, STDLIB_TRAIN_TOKENS, lad)
-        assert len(ns) >= 5, (c, ns)
-        assert all(b / a >= 1.3 for a, b in zip(ns, ns[1:]))
-        assert all(c / (6 * n) <= STDLIB_TRAIN_TOKENS for n in ns)  # no budget repeats its data
-        assert max(ns) / min(ns) >= 5  # wide enough for a parabola to have a minimum inside
-    # the epoch cap is applied: a corpus half as large drops the smallest sizes of the top budget
-    assert min(sizes_for(1e13, STDLIB_TRAIN_TOKENS / 2, lad)) > min(sizes_for(1e13, STDLIB_TRAIN_TOKENS, lad))
+        ns, over = sizes_for(c, STDLIB_TRAIN_TOKENS, lad)
+        assert len(ns) >= SIZES >= 7, (c, ns)
+        assert all(b / a >= MIN_RATIO for a, b in zip(over + ns, (over + ns)[1:]))
+        centre = GUESS_N * (c / GUESS_C) ** GUESS_A
+        assert ns[1] <= centre <= ns[-2], (c, centre, ns)  # the guessed minimum has sizes either side
+        assert all(c / (6 * n) <= MAX_EPOCHS * STDLIB_TRAIN_TOKENS for n in ns + over)
+        assert all(c / (6 * n * n) <= OVERTRAIN_TPP for n in over)
+        overtrained += [c / (6 * n * n) for n in over + ns]
+    assert max(overtrained) >= 500  # tokens/param well past compute-optimal (~100-200 here)
+    # the epoch cap is applied: a corpus a third as large drops the over-trained size of the top budget
+    assert sizes_for(1e13, STDLIB_TRAIN_TOKENS, lad)[1] and not sizes_for(1e13, STDLIB_TRAIN_TOKENS / 3, lad)[1]
 
 
 def test_unknown_stage_is_refused(capsys):

@@ -24,6 +24,10 @@ REFUSALS = {
     "min_above_range": "minimum above the largest sampled N",
 }
 # Kept, but worth a look: the minimum is bracketed by one point only.
+# llama-plan fit's default --window: each parabola over the runs within 2 sizes of its budget's best
+# run (at most 5 sizes). Far from its minimum an IsoFLOP curve is not a parabola in ln N (the
+# largest size of a small budget trains for ~100 steps), and a sweep's over-trained points lie there.
+DEFAULT_WINDOW = 2
 WARNINGS = {"best_run_at_edge": "lowest loss at the smallest or largest sampled N"}
 FLAG_TEXT = {**REFUSALS, **WARNINGS}
 

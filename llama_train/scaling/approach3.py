@@ -166,7 +166,8 @@ def bootstrap_approach3(runs: Sequence[RunPoint], fit: FitResult, *, n: int = 10
     groups = group_budgets(runs) if groups is None else groups
     law = fit.law
     grid = np.vstack([paper_init_grid(), [math.log(law.A), math.log(law.B), math.log(law.E), law.alpha, law.beta]])
-    data = [np.array([[r.n_params, r.tokens, r.val_loss] for r in members], dtype=float) for _, members in groups]
+    data = [np.array([[r.n_params, r.effective_tokens, r.val_loss] for r in members], dtype=float)
+            for _, members in groups]
     rng = np.random.default_rng([seed, 3])
     rows: List[List[float]] = []
     failures: Dict[str, int] = {}

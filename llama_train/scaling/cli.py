@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
+from llama_train.scaling.approach2 import DEFAULT_WINDOW as WINDOW
 from llama_train.scaling.laws import FITS, ScalingError
 from llama_train.scaling.memory import FIT_ORDER
 from llama_train.scaling.memory import _args_dict, deepspeed_estimate, fit_advice, model_info, rank_peak_memory
@@ -354,18 +355,32 @@ def _print_analysis(an, rep: Dict[str, Any], path: Path, conv: str, several: boo
         print(f"plot: {rep['plot']}")
 
 
+def _planned_count(path: Path) -> str:
+    """--params auto: the count every run's budget was planned on when they all recorded the
+    same one (RunInfo.count, the CSV's count column), else total (Chinchilla's N)."""
+    from llama_train.scaling.runs import load_runs
+
+    runs, _ = load_runs(path, params="total")
+    counts = {r.count for r in runs}
+    return counts.pop() if len(counts) == 1 and None not in counts else "total"
+
+
 def _cmd_fit(ns: argparse.Namespace) -> Dict[str, Any]:
     """Approach 2 and 3 on a sweep directory or runs CSV, with bootstrap intervals; table or JSON."""
     import shlex
 
     path = Path(ns.sweep_dir)
+    if ns.params == "auto":
+        ns.params = _planned_count(path)
+    if ns.window == 0:
+        ns.window = None
     conventions = ["total", "non_embedding"] if ns.params == "both" else [ns.params]
     repro = "llama-plan fit " + shlex.join([
-        str(path), "--params", ns.params, *(["--window", str(ns.window)] if ns.window is not None else []),
+        str(path), "--params", ns.params, "--window", str(ns.window or 0),
         "--top-k", str(ns.top_k or 0), "--bootstrap", str(ns.bootstrap),
         "--bootstrap-a3", str(ns.bootstrap_a3), "--bootstrap-top-k", str(ns.bootstrap_top_k), "--seed", str(ns.seed)])
-    if ns.window is not None and ns.window < 1:
-        raise ScalingError(f"--window={ns.window} must be >= 1 (sizes either side of the best run)")
+    if ns.window is not None and ns.window < 0:
+        raise ScalingError(f"--window={ns.window} must be >= 0 (sizes either side of the best run; 0: all runs)")
     for k in ("bootstrap", "bootstrap_a3"):
         if getattr(ns, k) < 0:
             raise ScalingError(f"--{k.replace('_', '-')}={getattr(ns, k)} must be >= 0")
@@ -481,8 +496,9 @@ def _add_fit(sub) -> None:
                         "flops,params,non_embedding_params,tokens,val_loss,command (flops: the nominal budget)")
     p.add_argument("--out", help="write the IsoFLOP/frontier plot to this PNG")
     p.add_argument("--csv", metavar="OUT", help="write the runs read from PATH to this CSV (PATH for a later fit)")
-    p.add_argument("--params", default="total", choices=["total", "non_embedding", "both"],
-                   help="which N to fit on (both: fit each and compare the exponents)")
+    p.add_argument("--params", default="auto", choices=["auto", "total", "non_embedding", "both"],
+                   help="which N to fit on: auto (default) the count the runs' budgets were planned on "
+                        "(scaling.count, recorded by each run), else total; both: fit each and compare the exponents")
     p.add_argument("--save-fit", help="write the Approach 3 constants to this YAML (usable as --fit)")
     p.add_argument("--top-k", type=int, default=64,
                    help="run L-BFGS from the k best of the paper's 4500 initialisations (0 = all)")
@@ -493,9 +509,10 @@ def _add_fit(sub) -> None:
     p.add_argument("--bootstrap-top-k", type=int, default=10, metavar="K",
                    help="L-BFGS starts per Approach 3 bootstrap refit (plus the full-data optimum)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed (same seed, same intervals)")
-    p.add_argument("--window", type=int, default=None, metavar="K",
-                   help="Approach 2: fit each budget's parabola to the runs within K sizes either side of "
-                        "its best run (default: all runs; far from the minimum a curve is not a parabola in ln N)")
+    p.add_argument("--window", type=int, default=WINDOW, metavar="K",
+                   help=f"Approach 2: fit each budget's parabola to the runs within K sizes either side of "
+                        f"its best run (default {WINDOW}; 0: all runs). Far from its minimum an IsoFLOP curve is "
+                        f"not a parabola in ln N, and a sweep's over-trained points lie there")
     _common(p, fit=False)
     p.set_defaults(func=_cmd_fit)
 

@@ -85,7 +85,8 @@ def analyse_runs(runs: Sequence[RunPoint], *, params: str = "total", top_k: Opti
     a2 = fit_approach2(runs, groups=groups, bootstrap=bootstrap, seed=seed, window=window)
     a3 = a3_boot = a3_err = None
     try:
-        a3 = fit_loss_law([r.n_params for r in runs], [r.tokens for r in runs], [r.val_loss for r in runs],
+        # repeated tokens as their fresh-token equivalent (runs.effective_tokens; D itself within one epoch)
+        a3 = fit_loss_law([r.n_params for r in runs], [r.effective_tokens for r in runs], [r.val_loss for r in runs],
                           top_k=top_k, name=name)
     except ScalingError as exc:
         a3_err = str(exc)

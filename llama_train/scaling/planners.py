@@ -157,7 +157,7 @@ def _savings(base: Dict[str, float], best: Dict[str, float]) -> Dict[str, float]
 # =============================================================================================
 
 def _head_dim_for(dim: int) -> int:
-    if dim < 32:  # the tiniest widths, 16 and 24
+    if dim < 32 or dim % 16:  # the tiniest widths: 8, 16, 24 and 40
         return 8
     if dim < 64 or dim % 32:  # the tiny widths 32, 48, 80, 112
         return 16
@@ -190,13 +190,34 @@ def target_aspect_ratio(dim: int) -> float:
     return 128.0
 
 
-# The widths shape_for_params tries first: steps of 8 below 32, 16 below 128 and 32 below 256
-# (at tiny scale one layer more or less is a large step in N, so IsoFLOP sweeps of tiny models
-# need the finer widths), 64 below 512, 256 up to 2048, 512 above (n_heads a multiple of 4 from
-# dim 512, so GQA groups of 4 divide evenly). If no depth lands within tolerance there, any
-# multiple of 64 (< 1024) / 128 may be used.
-NICE_DIMS = (list(range(16, 32, 8)) + list(range(32, 128, 16)) + list(range(128, 256, 32)) + list(range(256, 512, 64))
-             + list(range(512, 2048, 256)) + list(range(2048, 32768 + 1, 512)))
+# The widths shape_for_params tries first: steps of 8 below 32 (and 40), 16 below 128 and 32
+# below 256 (at tiny scale one layer more or less is a large step in N, so IsoFLOP sweeps of tiny
+# models need the finer widths), 64 below 512, 256 up to 2048, 512 above (n_heads a multiple of
+# 4 from dim 512, so GQA groups of 4 divide evenly). If no depth lands within tolerance there,
+# any multiple of 64 (< 1024) / 128 may be used.
+NICE_DIMS = (list(range(8, 32, 8)) + [32, 40] + list(range(48, 128, 16)) + list(range(128, 256, 32))
+             + list(range(256, 512, 64)) + list(range(512, 2048, 256)) + list(range(2048, 32768 + 1, 512)))
+
+# The shape family: dim/n_layers within ASPECT_BAND of target_aspect_ratio(dim), a single layer
+# counting as in the family however narrow (no model is shallower). Our IsoFLOP sweep uses only
+# these shapes (llama_train.scaling.study.ladder), so a plan that keeps to them is a model of the
+# kind the fitted law describes; docs/scaling.md, "Design".
+ASPECT_BAND = 1.6
+
+
+def aspect_miss(dim: int, layers: int) -> float:
+    """How far (|ln|) dim/n_layers is from :func:`target_aspect_ratio`; 0 for one layer narrower than it."""
+    ratio = dim / layers / target_aspect_ratio(dim)
+    return 0.0 if layers == 1 and ratio < 1 else abs(math.log(ratio))
+
+
+def in_family(dim: int, layers: int, band: float = ASPECT_BAND) -> bool:
+    return aspect_miss(dim, layers) <= math.log(band) + 1e-12
+
+
+# Outside the family, where it has no shape within tolerance: at most 4x deeper or shallower
+# than target_aspect_ratio (never e.g. 10 layers of width 32 under a large vocabulary).
+_LOOSE_BAND = 4.0
 
 
 def shape_for_params(
@@ -207,6 +228,7 @@ def shape_for_params(
     count: str = "total",
     tie_embeddings: bool = False,
     tolerance: float = 0.02,
+    family_only: bool = False,
 ) -> "ModelArgs":
     """A LLaMA-shaped ``ModelArgs`` whose ``count_params(...)[count]`` is within ``tolerance`` of n_params.
 
@@ -215,8 +237,13 @@ def shape_for_params(
     64 (dim < 2048) or 128; n_kv_heads = n_heads/4 when n_heads >= 8 and divisible by 4
     (else n_heads/2 if even and >= 8, else plain MHA); SwiGLU hidden by the LLaMA rule with
     multiple_of 256 (dim >= 1024), 64 (dim >= 256) or 32. For each dim the layer count that best hits the target
-    is computed; among dims within tolerance we take the one whose dim/n_layers is closest (in
-    log) to :func:`target_aspect_ratio`. ``count="total"`` is Chinchilla's N (embeddings
+    is computed; among the shapes of the family (:func:`in_family`: dim/n_layers within
+    ASPECT_BAND of :func:`target_aspect_ratio`) within tolerance we take the one whose
+    dim/n_layers is closest (in log) to it. Where the family has none (tiny models under a large
+    vocabulary, whose counts are coarse), a shape up to 4x off the target aspect ratio is taken,
+    unless ``family_only``: then the family shape nearest the target within tolerance is taken
+    (the family's aspect ratios are all fine; what matters then is N), and with none, the error
+    names the closest. ``count="total"`` is Chinchilla's N (embeddings
     included); use "non_embedding" for Kaplan-style counts.
     """
     target = float(n_params)
@@ -228,21 +255,29 @@ def shape_for_params(
         raise ScalingError(f"vocab_size={vocab_size!r} must be a positive integer")
     make = partial(_make_shape, vocab_size=vocab_size, max_seq_len=max_seq_len, tie_embeddings=tie_embeddings)
 
-    best_fit, closest = _search_dims(NICE_DIMS, make, target, count, tolerance)
-    if best_fit is None:
-        any_dims = list(range(64, 1024, 64)) + list(range(1024, 32768 + 1, 128))
-        best_fit, closest = _search_dims(any_dims, make, target, count, tolerance)
+    any_dims = list(range(64, 1024, 64)) + list(range(1024, 32768 + 1, 128))
+    bands = (ASPECT_BAND,) if family_only else (ASPECT_BAND, _LOOSE_BAND)
+    best_fit = closest = None
+    for band in bands:
+        for dims in (NICE_DIMS, any_dims):
+            best_fit, near = _search_dims(dims, make, target, count, tolerance, band, nearest=family_only)
+            if near is not None and (closest is None or near[0] < closest[0]):
+                closest = near
+            if best_fit is not None:
+                break
+        if best_fit is not None:
+            break
     if best_fit is None:
         if closest is None:
-            emb = vocab_size * 64 * (1 if tie_embeddings else 2)
+            emb = vocab_size * NICE_DIMS[0] * (1 if tie_embeddings else 2)
             raise ScalingError(
                 f"shape_for_params: {target:.3g} params is below the smallest model with vocab_size="
-                f"{vocab_size} (embeddings alone ~{emb:.3g} at dim 64); use a smaller vocab, "
+                f"{vocab_size} (embeddings alone ~{emb:.3g} at dim {NICE_DIMS[0]}); use a smaller vocab, "
                 f"tie_embeddings=True, or count='non_embedding'"
             )
         raise ScalingError(
-            f"shape_for_params: no LLaMA shape within {tolerance:.0%} of {target:.3g} params "
-            f"(closest: dim={closest[1]}, n_layers={closest[2]}, off by {closest[0]:.1%}); "
+            f"shape_for_params: no LLaMA shape {'of the family (dim/n_layers within 1.6x of target_aspect_ratio) ' if family_only else ''}"
+            f"within {tolerance:.0%} of {target:.3g} params (closest: dim={closest[1]}, n_layers={closest[2]}, off by {closest[0]:.1%}); "
             f"raise tolerance or change vocab_size={vocab_size}"
         )
     _, _, dim, layers = best_fit
@@ -260,16 +295,14 @@ def _make_shape(dim: int, layers: int, *, vocab_size: int, max_seq_len: int, tie
                      max_seq_len=max_seq_len, tie_embeddings=tie_embeddings)
 
 
-# A shape more than 4x deeper or shallower than target_aspect_ratio is not a LLaMA shape (e.g.
-# 10 layers of width 32 under a large vocabulary's embeddings): never chosen.
-_MAX_ASPECT_MISS = math.log(4.0)
-
-
 def _search_dims(
     dims: Sequence[int], make: Callable[[int, int], "ModelArgs"], target: float, count: str, tolerance: float,
+    band: float = ASPECT_BAND, nearest: bool = False,
 ) -> Tuple[Optional[Tuple[float, float, int, int]], Optional[Tuple[float, int, int]]]:
-    """For each dim the depth nearest ``target``: the best (aspect miss, error, dim, layers) within
-    tolerance, and the closest (error, dim, layers) at all (None where no depth >= 1 fits)."""
+    """For each dim the depth within ``band`` nearest ``target``: the best (aspect miss, error, dim, layers) within
+    ``band`` of the target aspect ratio and tolerance (``nearest``: the smallest error first,
+    else the smallest aspect miss), and the closest (error, dim, layers) within the band at all
+    (None where none fits)."""
     from llama_train.model import count_params
 
     best: Optional[Tuple[float, float, int, int]] = None
@@ -278,15 +311,16 @@ def _search_dims(
         c1 = count_params(make(dim, 1))[count]
         per_layer = count_params(make(dim, 2))[count] - c1
         base = c1 - per_layer
-        layers = min(int(round((target - base) / per_layer)), 256)
-        if layers < 1:
+        depths = [d for d in range(1, 257) if in_family(dim, d, band)]
+        if not depths or (target - base) / per_layer < 0.5:  # none, or even one layer is too many
             continue
+        layers = min(depths, key=lambda d: abs(base + d * per_layer - target))
         err = abs(base + layers * per_layer - target) / target
         if closest is None or err < closest[0]:
             closest = (err, dim, layers)
-        miss = abs(math.log((dim / layers) / target_aspect_ratio(dim)))
-        if err <= tolerance and miss <= _MAX_ASPECT_MISS:
-            if best is None or (miss, err) < best[:2]:
+        miss = aspect_miss(dim, layers)
+        if err <= tolerance:
+            if best is None or ((err, miss) < best[1::-1] if nearest else (miss, err) < best[:2]):
                 best = (miss, err, dim, layers)
     return best, closest
 
@@ -316,8 +350,9 @@ class ExperimentPlan:
         """One line for the log."""
         m = self.model
         built = f" -> built {self.shape_params:.4g}" if self.shape_params is not None else ""
+        odd = "" if in_family(m.dim, m.n_layers) else ", outside the shape family"
         return (f"{self.mode} (fit {self.fit}): C={self.flops:.3g} FLOPs -> N={self.n_params:.3g}{built} "
-                f"{self.count} params (dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads), "
+                f"{self.count} params (dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads{odd}), "
                 f"D={self.n_tokens:.3g} tokens, {self.max_steps} steps"
                 + (f", lr {self.lr:.3g}" if self.lr is not None else ""))
 
@@ -388,11 +423,14 @@ def plan_experiment(
     try:  # below ~1M parameters the shape grid (whole layers) is coarse: scaling.tolerance
         shape = shape_for_params(plan["n_params"], vocab_size=vocab,
                                  max_seq_len=max(seq_len, model.max_seq_len), count=s.count,
-                                 tie_embeddings=model.tie_embeddings, tolerance=s.tolerance)
+                                 tie_embeddings=model.tie_embeddings, tolerance=s.tolerance,
+                                 family_only=s.family_only)
     except ScalingError as e:
         raise ConfigError(
             f"scaling.mode={s.mode} scaling.flops={s.flops:.3g}: {e}. As config keys: "
-            f"scaling.tolerance (now {s.tolerance}), scaling.count=non_embedding (N without the "
+            f"scaling.tolerance (now {s.tolerance}), "
+            + ("scaling.family_only=false (any aspect ratio), " if s.family_only else "") +
+            f"scaling.count=non_embedding (N without the "
             f"embeddings), model.tie_embeddings=true, a smaller scaling.vocab_size / "
             f"model.vocab_size, or a larger scaling.flops.") from None
     from llama_train.model import count_params

@@ -29,6 +29,28 @@ class RunPoint:
     total_params: Optional[float] = None
     non_embedding_params: Optional[float] = None
     command: str = ""  # how the run was launched (run_info.json "command"), for the CSV
+    unique_tokens: Optional[float] = None  # one epoch of the train split (run_info.json "epoch_tokens")
+    count: Optional[str] = None  # the count its budget was planned on (run_info.json "count")
+
+    @property
+    def effective_tokens(self) -> float:
+        """D as fresh-token equivalents: :func:`effective_tokens` of D over the unique tokens."""
+        return effective_tokens(self.tokens, self.unique_tokens)
+
+
+# Muennighoff et al. 2023 ("Scaling Data-Constrained Language Models", arXiv:2305.16264, Eq. 5):
+# repeated tokens are worth less each epoch, by exp(-R / R_D*), their fitted R_D* = 15.4.
+REPEAT_HALF_LIFE = 15.4
+
+
+def effective_tokens(tokens: float, unique: Optional[float]) -> float:
+    """D' = U + U R* (1 - exp(-R / R*)), R = D / U - 1 the repeated epochs: D itself for one
+    epoch or less, or with U unknown. At 2 epochs D' = 1.97 U, at 4 epochs 3.8 U (their finding:
+    up to ~4 epochs, repeated tokens are nearly as good as fresh ones)."""
+    if not unique or tokens <= unique:
+        return float(tokens)
+    repeats = tokens / unique - 1
+    return float(unique * (1 + REPEAT_HALF_LIFE * (1 - math.exp(-repeats / REPEAT_HALF_LIFE))))
 
 
 def final_val_loss(metrics_path: Path) -> Optional[float]:
@@ -88,7 +110,8 @@ def collect_runs(sweep_dir: Union[str, Path], params: str = "total") -> Tuple[Li
                              budget=float(info.flop_budget) if info.flop_budget is not None else None,
                              total_params=_opt_float(counts.get("total")),
                              non_embedding_params=_opt_float(counts.get("non_embedding")),
-                             command=str(info.command or "")))
+                             command=str(info.command or ""), unique_tokens=_opt_float(info.epoch_tokens),
+                             count=info.count if info.count in ("total", "non_embedding") else None))
     return runs, skipped
 
 
@@ -136,7 +159,9 @@ def load_runs(path: Union[str, Path], params: str = "total") -> Tuple[List[RunPo
 # ---------------------------------------------------------------------------------------------
 
 CSV_COLUMNS = ("flops", "params", "non_embedding_params", "tokens", "val_loss", "command")
-CSV_EXTRA_COLUMNS = ("run", "train_flops")  # written and read back, optional on input
+# written and read back, optional on input: unique_tokens (one epoch; the fit discounts repeats),
+# count (the parameter count each budget was planned on: llama-plan fit's default --params)
+CSV_EXTRA_COLUMNS = ("run", "train_flops", "unique_tokens", "count")
 
 
 def _num(x: Optional[float]) -> str:
@@ -163,7 +188,8 @@ def write_runs_csv(runs: Sequence[RunPoint], path: Union[str, Path], params: str
             non_emb = (r.non_embedding_params if r.non_embedding_params is not None
                        else (r.n_params if params == "non_embedding" else None))
             w.writerow([_num(key(r)), _num(total), _num(non_emb), _num(r.tokens),
-                        _num(r.val_loss), r.command or "", r.run, _num(r.flops)])
+                        _num(r.val_loss), r.command or "", r.run, _num(r.flops), _num(r.unique_tokens),
+                        r.count or ""])
     return path
 
 
@@ -171,7 +197,8 @@ def load_runs_csv(path: Union[str, Path], params: str = "total") -> Tuple[List[R
     """Runs from a CSV with columns flops, params, non_embedding_params, tokens, val_loss, command.
 
     ``flops`` is the nominal budget the runs are grouped on; ``params`` is the total count.
-    Extra columns are ignored except ``run`` (a name) and ``train_flops`` (measured FLOPs).
+    Extra columns are ignored except ``run`` (a name), ``train_flops`` (measured FLOPs),
+    ``unique_tokens`` and ``count`` (CSV_EXTRA_COLUMNS).
     Rows with a missing, non-numeric or non-positive value are skipped with the reason, as
     :func:`collect_runs` skips incomplete runs.
     """
@@ -205,7 +232,9 @@ def load_runs_csv(path: Union[str, Path], params: str = "total") -> Tuple[List[R
                                  flops=train_flops if train_flops else vals["flops"], val_loss=vals["val_loss"],
                                  budget=vals["flops"], total_params=_opt_float(row.get("params") or None),
                                  non_embedding_params=_opt_float(row.get("non_embedding_params") or None),
-                                 command=row.get("command", "")))
+                                 command=row.get("command", ""),
+                                 unique_tokens=_opt_float(row.get("unique_tokens") or None),
+                                 count=row.get("count") if row.get("count") in ("total", "non_embedding") else None))
     return runs, skipped
 
 

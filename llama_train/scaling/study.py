@@ -1,6 +1,6 @@
 """Our own scaling study on 2 CPU cores, end to end (``make scaling-demo``; docs/scaling.md).
 
-    python -m llama_train.scaling.study                      # every stage, ~50 min on 2 cores
+    python -m llama_train.scaling.study                      # every stage, ~4 h on 2 cores
     python -m llama_train.scaling.study --stages fit,frontier  # from the committed runs CSV
 
 Stages, each a set of real ``llama-train`` / ``llama-plan`` commands (printed as they start):
@@ -10,16 +10,21 @@ Stages, each a set of real ``llama-train`` / ``llama-plan`` commands (printed as
   one size at two budgets. The rate falls with the budget, hardly with the size, so
   ``configs/study/cpu.yaml`` uses lr ∝ C^-k (``scaling.lr_ref_flops`` /
   ``scaling.lr_flops_exponent``), k from the two grids. Writes ``<docs>/data/lr_sweep.csv``.
-* ``sweep``: the IsoFLOP grid, ``experiment=isoflop +study=cpu`` at each budget for the
-  sizes of :func:`ladder` around a guessed optimum, each run its own ``llama-train`` command.
-* ``fit``: ``llama-plan fit`` on the sweep (Approach 2 over the runs near each budget's best,
-  Approach 3, bootstrap intervals, both parameter counts): ``<docs>/data/isoflop_runs.csv``, ``<docs>/img/isoflop.png`` and the
-  Approach 3 law ``<docs>/data/isoflop_fit.yaml`` (non-embedding N).
-* ``frontier``: with that law, ``experiment=compute_optimal`` and ``experiment=inference_optimal``
-  at one budget: each one trained, its val loss against the law's target, and its lifetime
-  FLOPs 6 N D + 2 N D_inf. Writes ``<docs>/data/frontier_runs.csv``.
+* ``sweep``: the IsoFLOP grid, ``experiment=isoflop +study=cpu``: five budgets over two
+  decades, seven sizes of :func:`ladder` (the planner's shape family) around each guessed
+  optimum, plus over-trained sizes below them; each run its own ``llama-train`` command.
+* ``seeds``: the runs within SEED_WINDOW sizes of each budget's best again with another seed.
+* ``fit``: the runs to ``<docs>/data/isoflop_runs.csv``, then ``llama-plan fit`` on it with its
+  defaults (the count the budgets were planned on, Approach 2 within 2 sizes of each budget's
+  best, Approach 3 on repetition-discounted tokens, bootstrap intervals for both):
+  ``<docs>/img/isoflop.png`` and the Approach 3 law ``<docs>/data/isoflop_fit.yaml``.
+* ``frontier``: with that law, at two budgets a decade apart, ``experiment=compute_optimal`` and
+  ``experiment=inference_optimal`` (D_inf = INFERENCE_MULTIPLE x the compute-optimal tokens):
+  each trained, its val loss against the law's target, and its lifetime FLOPs 6 N D + 2 N D_inf.
+  Writes ``<docs>/data/frontier_runs.csv``.
 
-Runs go two at a time (``--jobs``) with one thread each (on 2 cores that is ~2x one run on two
+Every stage skips runs that finished before (their run_info.json has a final val_loss), so a
+stopped study goes on where it was. Runs go two at a time (``--jobs``) with one thread each (on 2 cores that is ~2x one run on two
 threads for these tiny models); results do not depend on the order or the pairing.
 """
 
@@ -43,13 +48,20 @@ import numpy as np
 from llama_train.paths import REPO_ROOT as REPO
 from llama_train.records import RUN_INFO_FILE, RunInfo
 
-STAGES = ("lr", "sweep", "fit", "frontier")
+STAGES = ("lr", "sweep", "seeds", "fit", "frontier")
 STUDY = ["+study=cpu"]  # configs/study/cpu.yaml: vocab 512, data.source=stdlib, N non-embedding
 VOCAB, TOLERANCE = 512, 0.1  # configs/study/cpu.yaml's model.vocab_size and scaling.tolerance
-BUDGETS = (3e11, 1e12, 3e12, 1e13)
-# The optimum the sizes are centred on: N_c(C) = GUESS_N (C / GUESS_C)^0.5, from pilot runs at
-# C = 1e12 (docs/scaling.md). Sizes reach SPAN times either side, so a guess within ~2x will do.
-GUESS_N, GUESS_C, SPAN = 9e4, 1e12, 4.2
+# Five budgets over two decades, each with SIZES ladder sizes (at least MIN_RATIO apart) centred
+# on the guessed optimum N_c(C) = GUESS_N (C / GUESS_C)^GUESS_A (the previous sweep's Approach 2
+# minima: 27.8k, 47.4k, 89.7k, 145k at 3e11-1e13), so that every budget's minimum is interior.
+BUDGETS = (1e11, 3e11, 1e12, 3e12, 1e13)
+GUESS_N, GUESS_C, GUESS_A = 4.7e4, 1e12, 0.47
+SIZES, MIN_RATIO = 7, 1.2
+# Over-trained points: below a budget's sizes, the smaller ladder sizes that train on at most
+# OVERTRAIN_TPP tokens per parameter (~3x what the inference-optimal plans of the frontier stage
+# need) and read the train split at most MAX_EPOCHS times (configs/study/cpu.yaml's
+# scaling.max_epochs; repetition is modelled in the fit, docs/scaling.md).
+OVERTRAIN_TPP, MAX_EPOCHS = 1000.0, 2.5
 # lr stage: (size, the budget where it is about compute-optimal, rates)
 # lr stage: (size, budget, rates). First two: a decade apart in size, each at about its
 # compute-optimal budget (the rule's exponent); then one size at two budgets (does the rate
@@ -58,11 +70,16 @@ LR_POINTS = ((52368, 3e11, (2e-3, 3e-3, 4.5e-3, 7e-3, 1e-2, 1.5e-2)),
              (531216, 1e13, (1e-3, 1.5e-3, 2e-3, 3e-3, 4.5e-3, 7e-3)),
              (139584, 1e12, (2.5e-3, 4.944e-3, 1e-2)),
              (139584, 1e13, (2.5e-3, 4.944e-3)))
-FRONTIER_FLOPS, INFERENCE_TOKENS = 3e12, 3e7
-# Approach 2's parabolas: the runs within WINDOW sizes of each budget's best run (llama-plan fit
-# --window); far from its minimum (e.g. 120 optimizer steps for the largest size of the smallest
-# budget) an IsoFLOP curve is not a parabola in ln N. docs/scaling.md shows the all-runs fit too.
-WINDOW = 2
+# seeds stage: near each budget's minimum neighbouring sizes differ by about what a change of
+# seed does (0.01-0.04 in the previous sweep), so the runs within SEED_WINDOW sizes of each
+# budget's best run train again with trainer.seed=SEED2 (the default seed is 1337).
+SEED2, SEED_WINDOW = 7, 1
+# frontier stage: at two budgets a decade apart, the compute-optimal model and the
+# inference-optimal one for a lifetime of INFERENCE_MULTIPLE x the compute-optimal model's
+# training tokens, both planned by the fitted law, inside the sweep's range of tokens per
+# parameter (its over-trained points). FRONTIER_TOLERANCE: how far a planned N may be
+# rounded to the nearest shape of the family (its sizes are up to 1.74x apart here).
+FRONTIER_BUDGETS, INFERENCE_MULTIPLE, FRONTIER_TOLERANCE = (3e11, 3e12), 3.0, 0.3
 
 
 @dataclass
@@ -71,6 +88,7 @@ class Run:
     out: Path
     tag: str
     cost: float = 0.0  # rough wall time, to start the dearest runs first
+    budget: float = 0.0  # runs go by budget, the smallest first: a stopped sweep leaves whole budgets
 
     @property
     def args(self) -> List[str]:
@@ -87,18 +105,19 @@ class Run:
 
 
 def ladder(vocab: int = VOCAB, max_n: float = 3e6, tolerance: float = TOLERANCE) -> List[int]:
-    """Non-embedding counts of one family of tiny LLaMA shapes: widths 16-256 at dim/n_layers
-    within 1.6x of :func:`target_aspect_ratio`, each kept only if it is the shape the planner
-    itself builds for its own count at the study's ``scaling.tolerance``. Sweeping these exact
-    counts keeps one depth-to-width rule across the sweep (a free choice of shape per size would
-    put a 1-layer model beside a 5-layer one and break the curve) and N = the target exactly."""
+    """Non-embedding counts of the planner's shape family (:func:`~llama_train.scaling.planners.in_family`:
+    dim/n_layers within 1.6x of the target aspect ratio, or one layer), widths 8-256, each kept only
+    if it is the shape the planner itself builds for its own count at the study's
+    ``scaling.tolerance``. Sweeping these exact counts keeps one depth-to-width rule across the
+    sweep and the plans (a free choice of shape per size would put a 1-layer model beside a
+    5-layer one and break the curve) and N = the target exactly."""
     from llama_train.model import count_params
-    from llama_train.scaling.planners import NICE_DIMS, _make_shape, shape_for_params, target_aspect_ratio
+    from llama_train.scaling.planners import NICE_DIMS, _make_shape, in_family, shape_for_params
 
     out = set()
     for dim in (d for d in NICE_DIMS if d <= 256):
         for layers in range(1, 12):
-            if abs(math.log(dim / layers / target_aspect_ratio(dim))) <= math.log(1.6):
+            if in_family(dim, layers):
                 m = _make_shape(dim, layers, vocab_size=vocab, max_seq_len=256, tie_embeddings=False)
                 n = count_params(m)["non_embedding"]
                 built = shape_for_params(n, vocab, 256, count="non_embedding", tolerance=tolerance)
@@ -107,19 +126,20 @@ def ladder(vocab: int = VOCAB, max_n: float = 3e6, tolerance: float = TOLERANCE)
     return sorted(out)
 
 
-def sizes_for(flops: float, train_tokens: float, sizes: Sequence[int], max_epochs: float = 1.0,
-              min_ratio: float = 1.3) -> List[int]:
-    """The ladder's sizes within SPAN of the guessed optimum at ``flops``, at least ``min_ratio``
-    apart, and none reading more than ``max_epochs`` of the train split."""
-    centre = GUESS_N * (flops / GUESS_C) ** 0.5
-    chosen: List[int] = []
-    for n in sizes:
-        if not centre / SPAN <= n <= centre * SPAN or flops / (6 * n) > max_epochs * train_tokens:
-            continue
-        if chosen and n / chosen[-1] < min_ratio:
-            continue
-        chosen.append(n)
-    return chosen
+def sizes_for(flops: float, train_tokens: float, sizes: Sequence[int]) -> Tuple[List[int], List[int]]:
+    """At ``flops``: the SIZES ladder sizes (thinned to MIN_RATIO apart) nearest the guessed
+    optimum, and the over-trained ones below them (see OVERTRAIN_TPP)."""
+    thinned: List[int] = []
+    for n in sorted(sizes):
+        if not thinned or n / thinned[-1] >= MIN_RATIO:
+            thinned.append(n)
+    centre = GUESS_N * (flops / GUESS_C) ** GUESS_A
+    i = min(range(len(thinned)), key=lambda j: abs(math.log(thinned[j] / centre)))
+    lo = max(0, min(i - SIZES // 2, len(thinned) - SIZES))
+    window = thinned[lo:lo + SIZES]
+    over = [n for n in thinned[:lo]
+            if flops / (6 * n * n) <= OVERTRAIN_TPP and flops / (6 * n) <= MAX_EPOCHS * train_tokens]
+    return window, over
 
 
 def _env() -> Dict[str, str]:
@@ -148,7 +168,7 @@ def run_all(runs: Sequence[Run], jobs: int, bin_dir: Path) -> List[Optional[RunI
         print(f"  {r.tag}: {said} in {time.time() - t0:.0f} s", flush=True)
         return got
 
-    order = sorted(range(len(runs)), key=lambda i: -runs[i].cost)
+    order = sorted(range(len(runs)), key=lambda i: (runs[i].budget, -runs[i].cost))
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         done = dict(zip(order, pool.map(one, [runs[i] for i in order])))
     return [done[i] for i in range(len(runs))]
@@ -220,17 +240,47 @@ def stage_lr(out: Path, docs: Path, jobs: int, bin_dir: Path) -> Dict[str, float
     return {"flops_exponent": k}
 
 
-def stage_sweep(out: Path, jobs: int, bin_dir: Path) -> List[Run]:
-    tokens = train_tokens()
+def sweep_runs(out: Path, tokens: int) -> List[Run]:
+    """The IsoFLOP grid: each budget's sizes (:func:`sizes_for`), over-trained ones first."""
     lad = ladder()
     runs = []
     for c in BUDGETS:
-        ns = sizes_for(c, tokens, lad)
-        print(f"  C={c:g}: {len(ns)} sizes {ns}")
+        ns, over = sizes_for(c, tokens, lad)
+        print(f"  C={c:g}: {len(ns)} sizes {ns}" + (f", over-trained {over}" if over else ""))
         runs += [Run(["experiment=isoflop", *STUDY, f"scaling.flops={c:g}", f"scaling.params={n}"],
-                     out / "sweep" / f"C{c:g}-N{n}", f"C={c:g} N={n}", _cost(c, n)) for n in ns]
+                     out / "sweep" / f"C{c:g}-N{n}", f"C={c:g} N={n}", _cost(c, n), c) for n in over + ns]
+    return runs
+
+
+def stage_sweep(out: Path, jobs: int, bin_dir: Path) -> List[Run]:
+    runs = sweep_runs(out, train_tokens())
     run_all(runs, jobs, bin_dir)
     return runs
+
+
+def second_seeds(runs: Sequence[Run], losses: Sequence[Optional[float]]) -> List[Run]:
+    """For each budget, the runs within SEED_WINDOW sizes of its best (finished) run, again with
+    trainer.seed=SEED2, beside the first in the sweep folder (``-seed7``)."""
+    out: List[Run] = []
+    for c in sorted({r.budget for r in runs}):
+        done = sorted((int(r.overrides[-1].split("=")[1]), r, v) for r, v in zip(runs, losses)
+                      if r.budget == c and v is not None)
+        if not done:
+            continue
+        best = min(range(len(done)), key=lambda i: done[i][2])
+        for _, r, _ in done[max(0, best - SEED_WINDOW):best + SEED_WINDOW + 1]:
+            out.append(Run([*r.overrides, f"trainer.seed={SEED2}"], r.out.with_name(f"{r.out.name}-seed{SEED2}"),
+                           f"{r.tag} seed={SEED2}", r.cost, c))
+    return out
+
+
+def stage_seeds(out: Path, jobs: int, bin_dir: Path) -> List[Run]:
+    runs = sweep_runs(out, train_tokens())
+    losses = [RunInfo.final_val_loss_of(r.out) for r in runs]
+    again = second_seeds(runs, losses)
+    print(f"  {len(again)} runs near the budgets' minima with trainer.seed={SEED2}")
+    run_all(again, jobs, bin_dir)
+    return again
 
 
 def _plan(args: Sequence[str], bin_dir: Path) -> None:
@@ -245,15 +295,32 @@ def _rel(path: Path) -> Path:
 
 
 def stage_fit(out: Path, docs: Path, bin_dir: Path) -> None:
+    """The sweep's runs (both seeds) to the CSV, then llama-plan fit with its defaults on it
+    (the count the budgets were planned on, Approach 2 within 2 sizes of each best, bootstrap
+    intervals for both approaches): the numbers docs/scaling.md quotes, the plot and the law."""
     sweep, docs = _rel(out / "sweep"), _rel(docs)
     csv_path = docs / "data" / "isoflop_runs.csv"
     if (REPO / sweep).is_dir():
-        _plan(["fit", str(sweep), "--params", "non_embedding", "--csv", str(csv_path), "--bootstrap", "0",
-               "--bootstrap-a3", "0"], bin_dir)
-    _plan(["fit", str(csv_path), "--params", "both", "--window", str(WINDOW), "--out",
-           str(docs / "img" / "isoflop.png")], bin_dir)
-    _plan(["fit", str(csv_path), "--params", "non_embedding", "--bootstrap", "0", "--bootstrap-a3", "0",
+        _plan(["fit", str(sweep), "--csv", str(csv_path), "--bootstrap", "0", "--bootstrap-a3", "0"], bin_dir)
+    _plan(["fit", str(csv_path), "--out", str(docs / "img" / "isoflop.png"),
            "--save-fit", str(docs / "data" / "isoflop_fit.yaml")], bin_dir)
+    _plan(["fit", str(csv_path), "--params", "total", "--bootstrap", "0", "--bootstrap-a3", "0"], bin_dir)
+
+
+def frontier_runs(out: Path, fit: Path) -> List[Tuple[float, float, Run]]:
+    """(budget, D_inf, run) for both models at each of FRONTIER_BUDGETS, planned by the law in ``fit``."""
+    from llama_train.scaling.laws import load_fit
+
+    law = load_fit(fit)
+    runs = []
+    for c in FRONTIER_BUDGETS:
+        d_inf = float(f"{INFERENCE_MULTIPLE * law.optimal(c)[1]:.2g}")
+        common = [*STUDY, f"scaling.fit={_rel(fit)}", f"scaling.flops={c:g}", f"scaling.tolerance={FRONTIER_TOLERANCE:g}"]
+        runs += [(c, d_inf, Run(["experiment=compute_optimal", *common], out / "frontier" / f"C{c:g}-compute_optimal",
+                                "compute-optimal", budget=c)),
+                 (c, d_inf, Run(["experiment=inference_optimal", *common, f"scaling.inference_tokens={d_inf:g}"],
+                                out / "frontier" / f"C{c:g}-inference_optimal", "inference-optimal", budget=c))]
+    return runs
 
 
 def stage_frontier(out: Path, docs: Path, jobs: int, bin_dir: Path) -> List[Dict[str, object]]:
@@ -261,37 +328,35 @@ def stage_frontier(out: Path, docs: Path, jobs: int, bin_dir: Path) -> List[Dict
 
     fit = docs / "data" / "isoflop_fit.yaml"
     law = load_fit(fit)
-    common = [*STUDY, f"scaling.fit={_rel(fit)}",
-              f"scaling.flops={FRONTIER_FLOPS:g}"]
-    runs = [Run(["experiment=compute_optimal", *common], out / "frontier" / "compute_optimal", "compute-optimal"),
-            Run(["experiment=inference_optimal", *common, f"scaling.inference_tokens={INFERENCE_TOKENS:g}"],
-                out / "frontier" / "inference_optimal", "inference-optimal")]
-    infos = run_all(runs, jobs, bin_dir)
-    target = law.loss(*law.optimal(FRONTIER_FLOPS))
+    planned = frontier_runs(out, fit)
+    infos = run_all([r for _, _, r in planned], jobs, bin_dir)
     rows = []
-    for r, i in zip(runs, infos):
+    for (c, d_inf, r), i in zip(planned, infos):
         if i is None:
-            raise SystemExit(f"frontier: {r.tag} failed: {r.log}")
+            raise SystemExit(f"frontier: {r.tag} at C={c:g} failed: {r.log}")
+        target = law.loss(*law.optimal(c))
         n, d = i.params["non_embedding"], i.tokens
-        train, infer = 6 * n * d, 2 * n * INFERENCE_TOKENS
-        rows.append({"model": r.tag, "non_embedding_params": n, "tokens": d, "tokens_per_param": d / n,
-                     "target_loss": target, "predicted_loss": law.loss(n, d), "val_loss": i.final_val_loss,
-                     "off_target_pct": 100 * (i.final_val_loss / target - 1), "training_flops": train,
-                     "inference_flops": infer, "lifetime_flops": train + infer, "command": r.command})
+        train, infer = 6 * n * d, 2 * n * d_inf
+        rows.append({"flops": c, "model": r.tag, "inference_tokens": d_inf, "non_embedding_params": n,
+                     "shape": f"{i.model_args['dim']}x{i.model_args['n_layers']}", "tokens": d,
+                     "tokens_per_param": d / n, "target_loss": target, "predicted_loss": law.loss(n, d),
+                     "val_loss": i.final_val_loss, "off_target_pct": 100 * (i.final_val_loss / target - 1),
+                     "training_flops": train, "inference_flops": infer, "lifetime_flops": train + infer,
+                     "command": r.command})
     path = docs / "data" / "frontier_runs.csv"
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    print(f"  law {fit.name}: target loss {target:.4f} (the compute-optimal model of C={FRONTIER_FLOPS:g}); "
-          f"D_inf = {INFERENCE_TOKENS:g} tokens")
-    for row in rows:
-        print(f"  {row['model']}: N={row['non_embedding_params']:,} D={row['tokens']:,} "
-              f"val_loss {row['val_loss']:.4f} ({row['off_target_pct']:+.2f}% vs target), lifetime "
-              f"{row['lifetime_flops']:.4g} FLOPs")
-    co, io = rows
-    print(f"  inference-optimal / compute-optimal: N x{io['non_embedding_params'] / co['non_embedding_params']:.3f}, "
-          f"D x{io['tokens'] / co['tokens']:.3f}, lifetime FLOPs x{io['lifetime_flops'] / co['lifetime_flops']:.3f}")
+    for co, io in zip(rows[::2], rows[1::2]):
+        print(f"  C={co['flops']:g}, D_inf={co['inference_tokens']:g}: target loss {co['target_loss']:.4f}")
+        for row in (co, io):
+            print(f"    {row['model']}: N={row['non_embedding_params']:,} ({row['shape']}) D={row['tokens']:,} "
+                  f"val_loss {row['val_loss']:.4f} ({row['off_target_pct']:+.2f}% vs target), lifetime "
+                  f"{row['lifetime_flops']:.4g} FLOPs")
+        print(f"    inference-optimal / compute-optimal: N x{io['non_embedding_params'] / co['non_embedding_params']:.3f}, "
+              f"D x{io['tokens'] / co['tokens']:.3f}, val_loss x{io['val_loss'] / co['val_loss']:.4f}, "
+              f"lifetime FLOPs x{io['lifetime_flops'] / co['lifetime_flops']:.3f}")
     print(f"  wrote {path}")
     return rows
 
@@ -316,6 +381,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             stage_lr(out, docs, ns.jobs, bin_dir)
         elif stage == "sweep":
             stage_sweep(out, ns.jobs, bin_dir)
+        elif stage == "seeds":
+            stage_seeds(out, ns.jobs, bin_dir)
         elif stage == "fit":
             stage_fit(out, docs, bin_dir)
         else:
