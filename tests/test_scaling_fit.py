@@ -308,3 +308,14 @@ def test_fit_defaults_to_the_count_the_runs_were_planned_on(tmp_path, capsys):
     assert main(["fit", str(tmp_path / "mixed.csv"), "--bootstrap", "0", "--bootstrap-a3", "0", "--top-k", "8",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["params_convention"] == "total"
+
+
+def test_a_sweep_older_than_the_count_field_reads_it_from_config_yaml(tmp_path):
+    """run_info.json written before it recorded "count": the run's config.yaml says scaling.count."""
+    runs = synth_runs(HALF, budgets=BUDGETS[:2], sizes=3)
+    write_sweep_dir(tmp_path / "sweep", runs)
+    for i, r in enumerate(runs):
+        mode = "none" if i == 0 else "fixed"
+        (tmp_path / "sweep" / r.run / "config.yaml").write_text(f"scaling:\n  mode: {mode}\n  count: non_embedding\n")
+    got, _ = collect_runs(tmp_path / "sweep")
+    assert sorted(str(r.count) for r in got) == ["None"] + ["non_embedding"] * (len(runs) - 1)

@@ -111,8 +111,20 @@ def collect_runs(sweep_dir: Union[str, Path], params: str = "total") -> Tuple[Li
                              total_params=_opt_float(counts.get("total")),
                              non_embedding_params=_opt_float(counts.get("non_embedding")),
                              command=str(info.command or ""), unique_tokens=_opt_float(info.epoch_tokens),
-                             count=info.count if info.count in ("total", "non_embedding") else None))
+                             count=info.count or _planned_count(run_dir)))
     return runs, skipped
+
+
+def _planned_count(run_dir: Path) -> Optional[str]:
+    """scaling.count from the run's config.yaml, for a run_info.json older than its "count"."""
+    import yaml
+
+    try:
+        scaling = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("scaling") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    count = scaling.get("count") if scaling.get("mode", "none") != "none" else None
+    return count if count in ("total", "non_embedding") else None
 
 
 def _grouping_key(runs: Sequence[RunPoint]):
