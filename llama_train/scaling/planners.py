@@ -243,8 +243,8 @@ def shape_for_params(
     vocabulary, whose counts are coarse), a shape up to 4x off the target aspect ratio is taken,
     unless ``family_only``: then the family shape nearest the target within tolerance is taken
     (the family's aspect ratios are all fine; what matters then is N), and with none, the error
-    names the closest. ``count="total"`` is Chinchilla's N (embeddings
-    included); use "non_embedding" for Kaplan-style counts.
+    names the closest. ``count="total"`` is Chinchilla's N (embeddings included); use
+    "non_embedding" for Kaplan-style counts.
     """
     target = float(n_params)
     if not math.isfinite(target) or target <= 0:
@@ -275,9 +275,10 @@ def shape_for_params(
                 f"{vocab_size} (embeddings alone ~{emb:.3g} at dim {NICE_DIMS[0]}); use a smaller vocab, "
                 f"tie_embeddings=True, or count='non_embedding'"
             )
+        which = f"of the family (dim/n_layers within {ASPECT_BAND}x of target_aspect_ratio) " if family_only else ""
         raise ScalingError(
-            f"shape_for_params: no LLaMA shape {'of the family (dim/n_layers within 1.6x of target_aspect_ratio) ' if family_only else ''}"
-            f"within {tolerance:.0%} of {target:.3g} params (closest: dim={closest[1]}, n_layers={closest[2]}, off by {closest[0]:.1%}); "
+            f"shape_for_params: no LLaMA shape {which}within {tolerance:.0%} of {target:.3g} params "
+            f"(closest: dim={closest[1]}, n_layers={closest[2]}, off by {closest[0]:.1%}); "
             f"raise tolerance or change vocab_size={vocab_size}"
         )
     _, _, dim, layers = best_fit
@@ -299,10 +300,10 @@ def _search_dims(
     dims: Sequence[int], make: Callable[[int, int], "ModelArgs"], target: float, count: str, tolerance: float,
     band: float = ASPECT_BAND, nearest: bool = False,
 ) -> Tuple[Optional[Tuple[float, float, int, int]], Optional[Tuple[float, int, int]]]:
-    """For each dim the depth within ``band`` nearest ``target``: the best (aspect miss, error, dim, layers) within
-    ``band`` of the target aspect ratio and tolerance (``nearest``: the smallest error first,
-    else the smallest aspect miss), and the closest (error, dim, layers) within the band at all
-    (None where none fits)."""
+    """For each dim the depth within ``band`` of the target aspect ratio nearest ``target``: the
+    best (aspect miss, error, dim, layers) within tolerance (``nearest``: the smallest error
+    first, else the smallest aspect miss), and the closest (error, dim, layers) at all (None
+    where none fits)."""
     from llama_train.model import count_params
 
     best: Optional[Tuple[float, float, int, int]] = None
