@@ -471,7 +471,7 @@ TABLE: List[Tuple[str, object]] = [
     ("llama-plan shape --params N [--vocab V --max-seq-len T --count total|non_embedding "
      "--tie-embeddings]", USAGE),
     ("llama-plan fit <sweep_dir | runs.csv> [--out plot.png --save-fit fit.yaml --params "
-     "total|non_embedding|both", Needs("a template", "the usage line; docs/scaling-fits.md's "
+     "auto|total|non_embedding|both", Needs("a template", "the usage line; docs/scaling-fits.md's "
                                                      "commands fill it in")),
     ("llama-plan compute-optimal --flops 1e21 --fit epoch", Run(expect="epoch")),
     ("llama-plan compute-optimal --flops 5.76e23 --fit sardana", Run(expect="sardana")),

@@ -93,7 +93,7 @@ def test_committed_sweep_recovers_the_chinchilla_exponent():
     """`llama-plan fit docs/data/isoflop_runs.csv --window 2` (the study's fit) from the committed
     runs: Approach 2 (4 budgets, 1.5 decades) and Approach 3 both put a (N_opt ∝ C^a) in
     [0.40, 0.60] on non-embedding N, with their bootstrap intervals."""
-    from llama_train.scaling.study import WINDOW
+    from llama_train.scaling.approach2 import DEFAULT_WINDOW as WINDOW
 
     rows = _rows(RUNS_CSV)
     budgets = {}
