@@ -111,11 +111,11 @@ def collect_runs(sweep_dir: Union[str, Path], params: str = "total") -> Tuple[Li
                              total_params=_opt_float(counts.get("total")),
                              non_embedding_params=_opt_float(counts.get("non_embedding")),
                              command=str(info.command or ""), unique_tokens=_opt_float(info.epoch_tokens),
-                             count=info.count or _planned_count(run_dir)))
+                             count=info.count or _count_from_config(run_dir)))
     return runs, skipped
 
 
-def _planned_count(run_dir: Path) -> Optional[str]:
+def _count_from_config(run_dir: Path) -> Optional[str]:
     """scaling.count from the run's config.yaml, for a run_info.json older than its "count"."""
     import yaml
 
