@@ -49,9 +49,10 @@ test-fast: $(STAMP)
 gpu-check:
 	bash launch/gpu_check.sh $(ARGS)
 
-# Our scaling study, end to end on 2 CPU cores (~4 h on the slower machine: the IsoFLOP sweep,
-# 5 budgets x 7-8 sizes, is ~3 h of it): lr vs size, the sweep, a second seed near each minimum,
-# the Approach 2/3 fits and plot, then the compute- vs inference-optimal pairs (docs/scaling.md).
+# Our scaling study, end to end on 2 CPU cores (~5.5 h on the slower machine; the IsoFLOP sweep,
+# 5 budgets x 7-8 sizes, measured 3.0 h of it: docs/scaling.md): lr vs size, the sweep, a second
+# seed near each minimum, the Approach 2/3 fits and plot, then the compute- vs inference-optimal
+# pairs.
 # A stopped study goes on where it was; STAGES=fit,frontier starts from the committed
 # docs/data/isoflop_runs.csv.
 STAGES ?= lr,sweep,seeds,fit,frontier

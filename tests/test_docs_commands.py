@@ -232,7 +232,7 @@ GPU8 = Needs("a GPU", "8 GPUs (--num_gpus 8 with NCCL)")
 
 USAGE = Needs("a template", "the usage line; the commands below fill it in")
 SELF = Needs("hours", "runs tests of this suite (make test runs them all)")
-SWEEP = Needs("hours", "a sweep directory: make scaling-demo's runs (~4 h on 2 cores); the "
+SWEEP = Needs("hours", "a sweep directory: make scaling-demo's runs (~5.5 h on 2 cores); the "
               "same fits from a CSV run below")
 
 TABLE: List[Tuple[str, object]] = [
@@ -260,7 +260,7 @@ TABLE: List[Tuple[str, object]] = [
      Run(expect="max_steps")),
     ("llama-train experiment=compute_optimal scaling.flops=3e12",
      Run(f"{STEPS} trainer.steps_this_run=2 trainer.output_dir=outputs/compute_optimal")),
-    ("make scaling-demo", Needs("hours", "~4 h of training on 2 cores; each stage runs in "
+    ("make scaling-demo", Needs("hours", "~5.5 h of training on 2 cores; each stage runs in "
                                          "tests/test_scaling_study.py")),
     ("llama-export outputs/llama-train/checkpoints out/hf_model", Run()),
     ('llama-generate outputs/llama-train --prompt "The" --max-new-tokens 64',
