@@ -143,6 +143,36 @@ def test_first_sweeps_frontier_pair_is_what_its_law_planned():
         assert "scaling.fit=docs/data/sweep1/isoflop_fit.yaml" in r["command"]
 
 
+def test_committed_frontier_pairs_are_what_the_law_planned():
+    """docs/data/frontier_runs.csv (`--stages frontier`): at two budgets a decade apart, both
+    models planned by docs/data/isoflop_fit.yaml with D_inf = 3x its compute-optimal tokens; the
+    inference-optimal one smaller and trained on more tokens. Checks the CSV's own arithmetic and
+    plans; how close each lands to its target is for docs/scaling.md to report."""
+    from llama_train.scaling.laws import load_fit
+    from llama_train.scaling.study import FRONTIER_BUDGETS, INFERENCE_MULTIPLE
+
+    rows = _rows(REPO / "docs" / "data" / "frontier_runs.csv")
+    law = load_fit(REPO / "docs" / "data" / "isoflop_fit.yaml")
+    assert [float(r["flops"]) for r in rows[::2]] == list(FRONTIER_BUDGETS)
+    for co, io in zip(rows[::2], rows[1::2]):
+        c, d_inf = float(co["flops"]), float(co["inference_tokens"])
+        assert (co["model"], io["model"]) == ("compute-optimal", "inference-optimal")
+        assert d_inf == float(io["inference_tokens"]) == float(f"{INFERENCE_MULTIPLE * law.optimal(c)[1]:.2g}")
+        assert float(io["non_embedding_params"]) < float(co["non_embedding_params"])
+        assert float(io["tokens"]) > float(co["tokens"])
+        for r in (co, io):
+            n, d = float(r["non_embedding_params"]), float(r["tokens"])
+            assert float(r["target_loss"]) == pytest.approx(law.loss(*law.optimal(c)), rel=1e-9)
+            assert float(r["predicted_loss"]) == pytest.approx(law.loss(n, d), rel=1e-9)
+            assert float(r["off_target_pct"]) == pytest.approx(100 * (float(r["val_loss"]) / float(r["target_loss"]) - 1))
+            assert float(r["lifetime_flops"]) == pytest.approx(6 * n * d + 2 * n * d_inf)
+            dim, layers = (int(v) for v in r["shape"].split("x"))
+            assert in_family(dim, layers)  # +study=cpu: scaling.family_only
+            cmd = shlex.split(r["command"])
+            assert cmd[:2] == ["llama-train", f"experiment={r['model'].replace('-', '_')}"] and "+study=cpu" in cmd
+            assert "scaling.fit=docs/data/isoflop_fit.yaml" in cmd
+
+
 @pytest.mark.slow
 def test_a_committed_row_reruns_to_its_val_loss(tmp_path):
     """The cheapest row of the committed sweep, its own command run again: val_loss within 0.5%."""
