@@ -120,6 +120,15 @@ def test_committed_sweep_recovers_the_chinchilla_exponent():
     assert a3["a_ci"][0] < a3["a"] < a3["a_ci"][1]
 
 
+def _assert_row_arithmetic(r, law, d_inf: float) -> None:
+    """A frontier CSV row's derived columns: the law's loss for its N and D, its miss of the
+    target in percent, its lifetime FLOPs 6ND + 2N D_inf."""
+    n, d = float(r["non_embedding_params"]), float(r["tokens"])
+    assert float(r["predicted_loss"]) == pytest.approx(law.loss(n, d), rel=1e-9)
+    assert float(r["off_target_pct"]) == pytest.approx(100 * (float(r["val_loss"]) / float(r["target_loss"]) - 1))
+    assert float(r["lifetime_flops"]) == pytest.approx(6 * n * d + 2 * n * d_inf)
+
+
 def test_first_sweeps_frontier_pair_is_what_its_law_planned():
     """docs/data/sweep1/frontier_runs.csv: the inference-optimal model is smaller, trained on more
     tokens and cheaper over its life; the compute-optimal one lands within 2% of the law's loss.
@@ -135,10 +144,7 @@ def test_first_sweeps_frontier_pair_is_what_its_law_planned():
     assert abs(float(co["val_loss"]) / float(co["target_loss"]) - 1) < 0.02
     law = load_fit(SWEEP1 / "isoflop_fit.yaml")
     for r in (co, io):
-        n, d = float(r["non_embedding_params"]), float(r["tokens"])
-        assert float(r["predicted_loss"]) == pytest.approx(law.loss(n, d), rel=1e-9)
-        assert float(r["off_target_pct"]) == pytest.approx(100 * (float(r["val_loss"]) / float(r["target_loss"]) - 1))
-        assert float(r["lifetime_flops"]) == pytest.approx(6 * n * d + 2 * n * 3e7)
+        _assert_row_arithmetic(r, law, 3e7)
         assert shlex.split(r["command"])[0] == "llama-train" and "+study=cpu" in r["command"]
         assert "scaling.fit=docs/data/sweep1/isoflop_fit.yaml" in r["command"]
 
@@ -161,11 +167,8 @@ def test_committed_frontier_pairs_are_what_the_law_planned():
         assert float(io["non_embedding_params"]) < float(co["non_embedding_params"])
         assert float(io["tokens"]) > float(co["tokens"])
         for r in (co, io):
-            n, d = float(r["non_embedding_params"]), float(r["tokens"])
             assert float(r["target_loss"]) == pytest.approx(law.loss(*law.optimal(c)), rel=1e-9)
-            assert float(r["predicted_loss"]) == pytest.approx(law.loss(n, d), rel=1e-9)
-            assert float(r["off_target_pct"]) == pytest.approx(100 * (float(r["val_loss"]) / float(r["target_loss"]) - 1))
-            assert float(r["lifetime_flops"]) == pytest.approx(6 * n * d + 2 * n * d_inf)
+            _assert_row_arithmetic(r, law, d_inf)
             dim, layers = (int(v) for v in r["shape"].split("x"))
             assert in_family(dim, layers)  # +study=cpu: scaling.family_only
             cmd = shlex.split(r["command"])
