@@ -3,6 +3,7 @@
 import glob
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -37,6 +38,21 @@ def pytest_configure(config):
     if "LLAMA_TRAIN_CACHE" not in os.environ:
         _SESSION_CACHE = tempfile.mkdtemp(prefix="llama_train_cache_")
         os.environ["LLAMA_TRAIN_CACHE"] = _SESSION_CACHE
+        _share_extracted_corpus(_SESSION_CACHE)
+
+
+def _share_extracted_corpus(session_cache: str) -> None:
+    """The session's cache starts empty (no prepared data of an earlier session is trusted),
+    except its corpus/ directory: a link to one kept in the venv (as the Makefile keeps
+    DeepSpeed's built ops), so the built-in corpus is extracted (12 s of CPU) once per checkout,
+    not once per session. Each read checks the file against its sha256 and the extraction
+    code's digest (llama_train.data.corpus), so an edit to the rules is extracted afresh."""
+    kept = os.path.join(sys.prefix, "llama_train_test_cache", "corpus")
+    try:
+        os.makedirs(kept, exist_ok=True)
+        os.symlink(kept, os.path.join(session_cache, "corpus"))
+    except OSError:
+        pass  # a read-only environment: each session extracts it
 
 
 @pytest.fixture(scope="module")

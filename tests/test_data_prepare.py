@@ -174,6 +174,55 @@ def test_builtin_corpus_is_real_text_and_deterministic():
     assert any("Return" in d for d in docs)  # docstrings, not only the pydoc topics
 
 
+def test_the_extracted_corpus_is_kept_on_disk_checked_and_never_trusted_blindly(
+        tmp_path, monkeypatch, caplog):
+    """builtin_corpus() extracts once per cache directory (LLAMA_TRAIN_CACHE/corpus): a later
+    process reads the file instead of parsing ~700 stdlib files; a damaged file (one byte, or
+    another interpreter's id, an edit to the extraction code) is extracted again, never used; an
+    unwritable cache costs the extraction, not the run."""
+    from llama_train.data import corpus
+
+    monkeypatch.setenv("LLAMA_TRAIN_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def extract():
+        calls.append(1)
+        return ("first document", "second\nwith \"quotes\" and \u00e9", "third")
+
+    docs = corpus.cached_corpus("builtin", extract)
+    path = corpus.corpus_cache_file("builtin")
+    assert calls == [1] and path.parent == tmp_path / "cache" / "corpus" and path.is_file()
+    assert corpus.cached_corpus("builtin", lambda: pytest.fail("extracted again")) == docs
+
+    raw = path.read_bytes()
+    at = raw.index(b"second")
+    path.write_bytes(raw[:at] + b"S" + raw[at + 1:])  # one byte of one document
+    with caplog.at_level("WARNING", logger="llama_train.data.corpus"):
+        assert corpus.cached_corpus("builtin", extract) == docs
+    assert calls == [1, 1] and "fails its check" in caplog.text
+    assert path.read_bytes() == raw  # written again whole
+    assert corpus.cached_corpus("stdlib", extract) == docs and calls == [1, 1, 1]  # its own id
+    head, _, body = path.read_bytes().partition(b"\n")
+    meta = json.loads(head)
+    path.write_bytes(json.dumps({**meta, "corpus": "builtin-v1-cpython-3.99.0"}).encode()
+                     + b"\n" + body)
+    assert corpus.cached_corpus("builtin", extract) == docs and len(calls) == 4
+    path.write_bytes(json.dumps({**meta, "extractor": "0" * 16}).encode() + b"\n" + body)
+    assert corpus.cached_corpus("builtin", extract) == docs and len(calls) == 5  # rules edited
+
+    # builtin_corpus() goes through it
+    monkeypatch.setattr(corpus, "extract_builtin", extract)
+    corpus._build.cache_clear()
+    try:
+        assert corpus.builtin_corpus() == list(docs) and len(calls) == 5  # read, not extracted
+    finally:
+        corpus._build.cache_clear()
+
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setenv("LLAMA_TRAIN_CACHE", str(tmp_path / "file"))
+    assert corpus.cached_corpus("builtin", extract) == docs and len(calls) == 6
+
+
 @pytest.mark.slow
 def test_stdlib_corpus_is_the_whole_standard_library_and_prepares(tmp_path):
     """data.source=stdlib: every stdlib .py file whole (tests included), ~8x builtin; its own

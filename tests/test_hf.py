@@ -24,7 +24,20 @@ from llama_train.hf import (
 )
 from llama_train.model import ModelArgs, RopeScaling, Transformer, load_preset
 
-transformers = pytest.importorskip("transformers")
+
+
+class _OnFirstUse:
+    """A module imported (or the test skipped) when a test first uses it: transformers takes
+    1.2 s to import, which every pytest-xdist worker paid while only collecting this file."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(pytest.importorskip(self._name), attr)
+
+
+transformers = _OnFirstUse("transformers")
 spm = pytest.importorskip("sentencepiece")
 
 # GQA (4 query heads share 2 kv heads), a non-default theta, a non-round ffn size
