@@ -137,6 +137,7 @@ def test_unknown_keys_and_types_fail_at_composition(overrides, key):
     assert key in str(err.value) or key in str(err.value.__cause__)
 
 
+@pytest.mark.slow  # a Python process of its own (imports torch): make test only
 def test_cli_reports_config_error_without_starting(tmp_path):
     """The real entry point: a clear message, exit code 2, in seconds, no process group."""
     t0 = time.time()

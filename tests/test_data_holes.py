@@ -277,6 +277,7 @@ STALL = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a Python process of its own (imports torch): make test only
 @pytest.mark.parametrize("workers,how", [(1, "stop"), (0, "hang")])
 def test_a_data_loader_that_stops_delivering_stops_the_rank_with_exit_5(prepared, workers, how):
     """Before: the rank waited forever, silently (a stopped worker is alive to torch; a read in
@@ -346,6 +347,7 @@ RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a Python process of its own (imports torch): make test only
 def test_a_rank_killed_with_kill_9_takes_its_stopped_worker_along(prepared):
     """A worker ignores SIGTERM and, stopped, everything but SIGKILL: before, a rank killed
     with kill -9 (the launcher's last resort) left its stopped worker behind for good (state
@@ -407,6 +409,7 @@ def test_long_lines_beside_short_ones_are_named_in_a_warning(tmp_path, caplog):
     assert Path(path2).read_bytes() != Path(path).read_bytes()  # the long line was trained on
 
 
+@pytest.mark.slow  # a Python process of its own (imports torch): make test only
 def test_llama_data_exits_2_with_one_line_on_a_too_long_line(tmp_path):
     big = tmp_path / "one-line.txt"
     big.write_text("token " * 20_000)

@@ -222,6 +222,13 @@ def test_the_extracted_corpus_is_kept_on_disk_checked_and_never_trusted_blindly(
     monkeypatch.setenv("LLAMA_TRAIN_CACHE", str(tmp_path / "file"))
     assert corpus.cached_corpus("builtin", extract) == docs and len(calls) == 6
 
+    def disk_full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setenv("LLAMA_TRAIN_CACHE", str(tmp_path / "full"))
+    monkeypatch.setattr(corpus, "_write_cache", disk_full)
+    assert corpus.cached_corpus("builtin", extract) == docs and len(calls) == 7  # once, not twice
+
 
 @pytest.mark.slow
 def test_stdlib_corpus_is_the_whole_standard_library_and_prepares(tmp_path):

@@ -75,6 +75,7 @@ def test_llama_train_returns_freed_tensors_to_the_os():
     assert was_set == "True" and mib > 56, mib
 
 
+@pytest.mark.slow  # a Python process of its own (imports torch): make test only
 def test_user_threshold_is_left_alone():
     # glibc read the user's variable at start; limit_retained_heap leaves it be
     was_set, _ = _freed("train", {"MALLOC_MMAP_THRESHOLD_": str(64 << 20)})

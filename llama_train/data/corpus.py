@@ -204,15 +204,22 @@ def cached_corpus(name: str, extract: Callable[[], tuple[str, ...]]) -> tuple[st
         return docs
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(path) + ".lock"):
-            docs = _read_cache(path, cid) if path.exists() else None  # another process's
-            if docs is None:
-                docs = extract()
-                _write_cache(path, cid, docs)
-        return docs
+        lock = FileLock(str(path) + ".lock")
+        lock.acquire()
     except OSError as e:
         log.debug("corpus cache %s not used: %s", path, e)
         return extract()
+    try:
+        docs = _read_cache(path, cid) if path.exists() else None  # another process's
+        if docs is None:
+            docs = extract()
+            try:
+                _write_cache(path, cid, docs)
+            except OSError as e:  # a full disk: this process has the documents all the same
+                log.debug("corpus cache %s not written: %s", path, e)
+        return docs
+    finally:
+        lock.release()
 
 
 @functools.lru_cache(maxsize=1)
