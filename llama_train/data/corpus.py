@@ -145,16 +145,13 @@ def _extractor() -> str:
 
 
 def _digest(lines: Sequence[bytes]) -> str:
-    h = hashlib.sha256()
-    for line in lines:
-        h.update(line)
-    return h.hexdigest()
+    return hashlib.sha256(b"".join(lines)).hexdigest()
 
 
 def _read_cache(path: Path, cid: str) -> Optional[tuple[str, ...]]:
-    """The documents of a cache file, or None if it is missing or fails its check (a header
-    naming the corpus id, the extraction code, the document count and the sha256 of the lines
-    after it)."""
+    """The documents of a cache file; None if it is missing (silently) or fails its check (a
+    header naming the corpus id, the extraction code, the document count and the sha256 of the
+    lines after it)."""
     try:
         raw = path.read_bytes()
     except OSError:
@@ -199,7 +196,7 @@ def cached_corpus(name: str, extract: Callable[[], tuple[str, ...]]) -> tuple[st
     from filelock import FileLock
 
     cid, path = corpus_id(name), corpus_cache_file(name)
-    docs = _read_cache(path, cid) if path.exists() else None
+    docs = _read_cache(path, cid)  # None when missing, silently
     if docs is not None:
         return docs
     try:
@@ -210,7 +207,7 @@ def cached_corpus(name: str, extract: Callable[[], tuple[str, ...]]) -> tuple[st
         log.debug("corpus cache %s not used: %s", path, e)
         return extract()
     try:
-        docs = _read_cache(path, cid) if path.exists() else None  # another process's
+        docs = _read_cache(path, cid)  # another process's, written while this one waited
         if docs is None:
             docs = extract()
             try:
