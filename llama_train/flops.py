@@ -54,17 +54,23 @@ def _datasheet_flops(device: torch.device) -> Optional[float]:
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32,
-                         n: int = 1024, repeats: int = 5) -> float:
-    """Best-of-N throughput of an n x n x n matmul on this process's threads."""
+                         n: int = 1024, repeats: int = 5,
+                         budget_s: Optional[float] = None) -> float:
+    """Best-of-N throughput of an n x n x n matmul on this process's threads (the first, warm-up
+    run included in the best). With ``budget_s``, it stops early once that much time has gone
+    and three runs are done: a bf16 matmul on a CPU without bf16 units takes ~1 s here, and
+    best of 21 held every rank's start-up for 20-100 s."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(repeats + 1):
+    best, start = float("inf"), time.perf_counter()
+    for i in range(repeats + 1):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         (a @ b).sum().item()
         best = min(best, time.perf_counter() - t0)
+        if budget_s is not None and i >= 2 and time.perf_counter() - start >= budget_s:
+            break
     return 2 * n**3 / best
 
 
@@ -97,8 +103,9 @@ def cached_matmul_flops(device: torch.device, dtype: torch.dtype,
 
     A matmul timed at every start read 4.3e10-2.0e11 FLOP/s on one 2-core machine, depending
     on what else ran at that moment, so MFU moved 5%-147% between identical runs. The first
-    run measures (best of 20) and writes the figure; later runs reuse it. Delete the file (or
-    set trainer.peak_flops) to change it. Returns (FLOP/s, where the figure came from)."""
+    run measures (best of 20, or of what fits in 3 s) and writes the figure; later runs reuse
+    it. Delete the file (or set trainer.peak_flops) to change it. Returns (FLOP/s, where the
+    figure came from)."""
     from llama_train.paths import cache_dir
 
     path = cache_dir() / PEAK_CACHE
@@ -109,7 +116,7 @@ def cached_matmul_flops(device: torch.device, dtype: torch.dtype,
                                        f"{path}")
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    flops = (measure or measure_matmul_flops)(device, dtype, repeats=20)
+    flops = (measure or measure_matmul_flops)(device, dtype, repeats=20, budget_s=3.0)
     what = f"{_dtype_name(dtype)} matmul on {device.type}, {torch.get_num_threads()} thread(s)"
     when = time.strftime("%Y-%m-%d %H:%M")
     try:  # another process of this machine may write it too: whole files only

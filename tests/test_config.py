@@ -180,7 +180,7 @@ def test_the_cpu_peak_is_measured_once_per_machine_and_reused(tmp_path, monkeypa
     monkeypatch.setenv("LLAMA_TRAIN_CACHE", str(tmp_path))
     calls = []
 
-    def measure(device, dtype, repeats):
+    def measure(device, dtype, repeats, budget_s):
         calls.append((device.type, dtype, torch.get_num_threads()))
         return 1e11 * len(calls)
 
@@ -201,3 +201,21 @@ def test_the_cpu_peak_is_measured_once_per_machine_and_reused(tmp_path, monkeypa
     assert cached_matmul_flops(cpu, torch.float32, measure)[0] == 4e11
     assert cached_matmul_flops(cpu, torch.float32, measure)[0] == 4e11
     assert len(calls) == 4
+
+
+def test_a_slow_matmul_is_timed_within_the_budget(monkeypatch):
+    """A bf16 matmul takes ~1 s on a CPU without bf16 units: the cached measurement stops at
+    three runs once its 3 s are gone, instead of holding each rank's start for best of 21."""
+    from llama_train import flops
+
+    clock, matmuls = iter(range(10**6)), []
+    monkeypatch.setattr(flops.time, "perf_counter", lambda: float(next(clock)))  # 1 s a read
+    real = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__",
+                        lambda a, b: matmuls.append(1) or real(a, b))
+    cpu = torch.device("cpu")
+    assert flops.measure_matmul_flops(cpu, n=8, repeats=20, budget_s=3.0) == 2 * 8**3 / 1.0
+    assert len(matmuls) == 3
+    matmuls.clear()
+    flops.measure_matmul_flops(cpu, n=8, repeats=20)
+    assert len(matmuls) == 21
