@@ -34,7 +34,7 @@ train: $(STAMP)
 # the two files sharing the zero3_run fixture as one unit, tests/conftest.py), torch on one
 # thread in each: 12:19 of tests in a fresh clone on 2 idle cores, 13:14 with the set-up; on a
 # slower 2-core machine (AMD EPYC at 2.45 GHz, `import torch` 2.3-2.6 s) 25:18-37:24 and 28:02-40:29
-# (29:05 and 31:22 at the last measurement; its speed varies by ~30% from hour to hour).
+# (27:09 and 29:33 at the last measurement; its speed varies by ~30% from hour to hour).
 # PYTEST_WORKERS=0 runs them in this process (for pdb, -x).
 PYTEST_WORKERS ?= 3
 xdist = $(if $(filter 0,$(1)),-p no:xdist,-n $(1) --dist loadfile)
