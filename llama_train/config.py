@@ -562,7 +562,7 @@ def explain_composition_error(e: BaseException) -> Optional[str]:
     import re
 
     from hydra.errors import (ConfigCompositionException, MissingConfigException,
-                              OverrideParseException)
+                              OverrideParseException, SearchPathException)
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -598,6 +598,9 @@ def explain_composition_error(e: BaseException) -> Optional[str]:
         said = str(cause).split("\n")[0].rstrip(".")
         return (f"{m.group(1) if m else cause.full_key}: {said}. Give {cause.full_key} a value "
                 f"of its type (`llama-train --cfg job` shows each key's current value).")
+    if isinstance(e, SearchPathException):  # --config-dir: e.g. a run directory not there
+        return (f"{first.rstrip('.')}: give --config-dir a directory that exists (a run's "
+                f"output_dir holds its config.yaml: --config-name config).")
     if isinstance(e, (ConfigCompositionException, MissingConfigException)):
         return f"the config could not be composed: {first}"
     return None
@@ -628,6 +631,7 @@ def _reject_non_finite(dcfg: DictConfig) -> None:
 
 def load_config(dcfg: DictConfig) -> Config:
     """Hydra's composed config -> dataclasses; every group validates itself on the way."""
+    dcfg = _on_the_schema(dcfg)
     _reject_unknown_keys(dcfg, "")
     _reject_non_finite(dcfg)
     try:
@@ -635,6 +639,23 @@ def load_config(dcfg: DictConfig) -> Config:
     except Exception as e:  # OmegaConf wraps __post_init__ errors; keep the message
         cause = e.__cause__ or e
         raise ConfigError(str(cause).split("\n    full_key")[0]) from None
+
+
+def _on_the_schema(dcfg: DictConfig) -> DictConfig:
+    """A config file without our schema in its defaults (``--config-dir <run dir> --config-name
+    config``: a run's saved config.yaml) composes to plain dicts, which failed at the first key
+    read (an AttributeError); merged onto the schema, its keys and types are checked like any
+    composed config's."""
+    if OmegaConf.get_type(dcfg) is Config:
+        return dcfg
+    from omegaconf.errors import ConfigKeyError
+
+    try:
+        return OmegaConf.merge(OmegaConf.structured(Config), dcfg)
+    except ConfigKeyError as e:  # a key the schema does not have
+        raise ConfigError(unknown_key_message(e.full_key)) from None
+    except Exception as e:  # noqa: BLE001 - a value of the wrong type: OmegaConf names the key
+        raise ConfigError(f"{getattr(e, 'full_key', '')}: {str(e).splitlines()[0]}") from None
 
 
 def to_container(cfg: DictConfig | Config) -> dict:

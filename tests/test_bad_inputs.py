@@ -92,6 +92,9 @@ def _cases(work: Path, out: Path):
          ["did you mean experiment=compute_optimal?"]),
         ("unknown group option", ["trainer=nope"], 2, ["trainer=nope", "default"]),
         ("unparsable override", ["trainer.max_steps=5,"], 2, ["cannot parse", "key=value"]),
+        ("a run's config from a directory not there",
+         ["--config-dir", str(work / "no_run"), "--config-name", "config"], 2,
+         ["no_run", "give --config-dir a directory that exists"]),
         # -- values each group checks (a sample; test_config.py has the full table) --
         ("negative micro batch", ["trainer.micro_batch=-1"], 2, ["trainer.micro_batch"]),
         ("choice out of range", ["trainer.on_existing=keep"], 2, ["trainer.on_existing"]),

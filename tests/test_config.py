@@ -219,3 +219,31 @@ def test_a_slow_matmul_is_timed_within_the_budget(monkeypatch):
     matmuls.clear()
     flops.measure_matmul_flops(cpu, n=8, repeats=20)
     assert len(matmuls) == 21
+
+
+def test_a_runs_saved_config_file_composes_onto_the_schema(tmp_path):
+    """``llama-train --config-dir <run dir> --config-name config`` (a run's saved config.yaml
+    as the primary config, no schema in its defaults) composed to plain dicts and failed with
+    an AttributeError; it now trains with that config, checked like any composed one: a typo
+    or a wrong type in the file is a ConfigError naming the key."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from llama_train.config import load_config, to_container
+
+    saved = to_container(compose_cfg([*TINY, "trainer.max_steps=7"]))
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    with initialize_config_dir(str(tmp_path), version_base=None):
+        cfg = load_config(compose("config", overrides=["model.dim=48", "model.n_heads=3",
+                                                       "model.n_kv_heads=3"]))
+    assert (cfg.trainer.max_steps, cfg.model.dim, cfg.data.max_documents) == (7, 48, 600)
+    assert to_container(cfg) == {**saved, "model": {**saved["model"], "dim": 48, "n_heads": 3,
+                                                     "n_kv_heads": 3}}
+    for text, key in [("trainer:\n  max_stepz: 3\n", "trainer.max_stepz"),
+                      ("trainer:\n  max_steps: many\n", "trainer.max_steps"),
+                      ("trainerx:\n  max_steps: 3\n", "trainerx")]:
+        (tmp_path / "config.yaml").write_text(text)
+        with initialize_config_dir(str(tmp_path), version_base=None):
+            dcfg = compose("config")
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(dcfg)

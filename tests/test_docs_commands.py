@@ -243,6 +243,8 @@ TABLE: List[Tuple[str, object]] = [
     ("deepspeed --num_gpus 8 --module llama_train.train model=llama3_8b deepspeed=zero3 "
      "data.source=/data/corpus/*.jsonl trainer.global_batch_tokens=4194304 trainer.seq_len=8192",
      Needs("a GPU", "8 GPUs and your corpus under /data/corpus")),
+    ("llama-train --config-dir outputs/llama-train --config-name config "
+     "trainer.output_dir=outputs/rerun", Run("trainer.max_steps=2", expect="run complete")),
     ("llama-train data=mixture trainer.document_mask=true",
      Run(f"{T} data.mixture.1.source=corpus/*.jsonl trainer.output_dir=outputs/mixture",
          expect="run complete")),
