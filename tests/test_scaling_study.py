@@ -65,6 +65,19 @@ def test_the_planner_keeps_to_the_family_between_its_sizes():
                         256, 2048, 20)
 
 
+def test_the_planner_fills_the_familys_widest_gap_without_moving_the_sweep():
+    """The planned 1.05e5 compute-optimal model of 3e12 (docs/data/frontier_runs.csv) fell in the
+    family's widest gap above 12k, 48x2 (80.1k) to 64x2 (139.6k), and was built as 80.1k. The
+    planner also has width 56: 56x2 (107.8k), in the family; the sweep's ladder keeps its widths,
+    so the committed sweep is still the grid make scaling-demo runs."""
+    m = shape_for_params(1.05e5, VOCAB, 256, count="non_embedding", tolerance=0.3, family_only=True)
+    assert (m.dim, m.n_layers, count_params(m)["non_embedding"]) == (56, 2, 107_800)
+    assert in_family(m.dim, m.n_layers)
+    assert 107_800 not in ladder()
+    swept = {int(float(r["non_embedding_params"])) for r in _rows(RUNS_CSV)}
+    assert swept <= set(ladder())
+
+
 def test_each_budget_gets_seven_sizes_around_its_optimum():
     lad = ladder()
     assert len(BUDGETS) >= 5 and math.log10(max(BUDGETS) / min(BUDGETS)) >= 2

@@ -157,7 +157,7 @@ def _savings(base: Dict[str, float], best: Dict[str, float]) -> Dict[str, float]
 # =============================================================================================
 
 def _head_dim_for(dim: int) -> int:
-    if dim < 32 or dim % 16:  # the tiniest widths: 8, 16, 24 and 40
+    if dim < 32 or dim % 16:  # the tiniest widths: 8, 16, 24, 40 and 56
         return 8
     if dim < 64 or dim % 32:  # the tiny widths 32, 48, 80, 112
         return 16
@@ -190,13 +190,19 @@ def target_aspect_ratio(dim: int) -> float:
     return 128.0
 
 
-# The widths shape_for_params tries first: steps of 8 below 32 (and 40), 16 below 128 and 32
-# below 256 (at tiny scale one layer more or less is a large step in N, so IsoFLOP sweeps of tiny
-# models need the finer widths), 64 below 512, 256 up to 2048, 512 above (n_heads a multiple of
-# 4 from dim 512, so GQA groups of 4 divide evenly). If no depth lands within tolerance there,
-# any multiple of 64 (< 1024) / 128 may be used.
-NICE_DIMS = (list(range(8, 32, 8)) + [32, 40] + list(range(48, 128, 16)) + list(range(128, 256, 32))
-             + list(range(256, 512, 64)) + list(range(512, 2048, 256)) + list(range(2048, 32768 + 1, 512)))
+# The widths of our IsoFLOP sweep's ladder (llama_train.scaling.study.ladder): steps of 8 below
+# 32 (and 40), 16 below 128 and 32 below 256 (at tiny scale one layer more or less is a large
+# step in N, so IsoFLOP sweeps of tiny models need the finer widths), 64 below 512, 256 up to
+# 2048, 512 above (n_heads a multiple of 4 from dim 512, so GQA groups of 4 divide evenly).
+SWEEP_DIMS = (list(range(8, 32, 8)) + [32, 40] + list(range(48, 128, 16)) + list(range(128, 256, 32))
+              + list(range(256, 512, 64)) + list(range(512, 2048, 256)) + list(range(2048, 32768 + 1, 512)))
+# The widths shape_for_params tries first: the sweep's and 56. Above 12k parameters the family's
+# widest gap was 48x2 (80.1k) to 64x2 (139.6k), 1.74x: the planned 1.05e5 compute-optimal model
+# of our 3e12 budget was built as 80.1k and kept a fifth of the inference-optimal saving
+# (docs/scaling.md). 56x2 (107.8k, dim/n_layers 28) splits it into 1.35x and 1.29x; the study's
+# other plans and the sweep's ladder are unchanged. If no depth lands within tolerance there, any
+# multiple of 64 (< 1024) / 128 may be used.
+NICE_DIMS = sorted(set(SWEEP_DIMS) | {56})
 
 # The shape family: dim/n_layers within ASPECT_BAND of target_aspect_ratio(dim), a single layer
 # counting as in the family however narrow (no model is shallower). Our IsoFLOP sweep uses only
@@ -232,7 +238,7 @@ def shape_for_params(
 ) -> "ModelArgs":
     """A LLaMA-shaped ``ModelArgs`` whose ``count_params(...)[count]`` is within ``tolerance`` of n_params.
 
-    Rule: dim is a multiple of 16 below 128, of 32 below 256, of 64 below 1024 and of 128
+    Rule: dim is a multiple of 16 (or 56) below 128, of 32 below 256, of 64 below 1024 and of 128
     above; head_dim 16 (dims 32, 48, 80, 112), 32 (dim < 512),
     64 (dim < 2048) or 128; n_kv_heads = n_heads/4 when n_heads >= 8 and divisible by 4
     (else n_heads/2 if even and >= 8, else plain MHA); SwiGLU hidden by the LLaMA rule with

@@ -112,10 +112,10 @@ def ladder(vocab: int = VOCAB, max_n: float = 3e6, tolerance: float = TOLERANCE)
     sweep and the plans (a free choice of shape per size would put a 1-layer model beside a
     5-layer one and break the curve) and N = the target exactly."""
     from llama_train.model import count_params
-    from llama_train.scaling.planners import NICE_DIMS, _make_shape, in_family, shape_for_params
+    from llama_train.scaling.planners import SWEEP_DIMS, _make_shape, in_family, shape_for_params
 
     out = set()
-    for dim in (d for d in NICE_DIMS if d <= 256):
+    for dim in (d for d in SWEEP_DIMS if d <= 256):
         for layers in range(1, 12):
             if in_family(dim, layers):
                 m = _make_shape(dim, layers, vocab_size=vocab, max_seq_len=256, tie_embeddings=False)
