@@ -164,16 +164,19 @@ def test_first_sweeps_frontier_pair_is_what_its_law_planned():
 
 
 def test_committed_frontier_pairs_are_what_the_law_planned():
-    """docs/data/frontier_runs.csv (`--stages frontier`): at two budgets a decade apart, both
+    """docs/data/frontier_runs.csv (`--stages frontier`): at budgets a decade apart, both
     models planned by docs/data/isoflop_fit.yaml with D_inf = 3x its compute-optimal tokens; the
     inference-optimal one smaller and trained on more tokens. Checks the CSV's own arithmetic and
     plans; how close each lands to its target is for docs/scaling.md to report."""
     from llama_train.scaling.laws import load_fit
-    from llama_train.scaling.study import FRONTIER_BUDGETS, INFERENCE_MULTIPLE
+    from llama_train.scaling.study import FRONTIER_BUDGETS, INFERENCE_MULTIPLE, frontier_runs
 
     rows = _rows(REPO / "docs" / "data" / "frontier_runs.csv")
     law = load_fit(REPO / "docs" / "data" / "isoflop_fit.yaml")
     assert [float(r["flops"]) for r in rows[::2]] == list(FRONTIER_BUDGETS)
+    # each row ran the command the stage plans today (3e13's inference-optimal row: max_epochs=3)
+    planned = frontier_runs(REPO / "outputs" / "study", REPO / "docs" / "data" / "isoflop_fit.yaml")
+    assert [r["command"] for r in rows] == [run.command for _, _, run in planned]
     for co, io in zip(rows[::2], rows[1::2]):
         c, d_inf = float(co["flops"]), float(co["inference_tokens"])
         assert (co["model"], io["model"]) == ("compute-optimal", "inference-optimal")
