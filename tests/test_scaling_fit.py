@@ -285,6 +285,28 @@ def test_repeated_tokens_are_worth_less_and_the_fit_says_so():
     assert abs(a_fit - 0.5) < 0.005 < abs(a_raw - 0.5), (a_fit, a_raw)
 
 
+def test_the_repetition_discount_is_a_flag_of_fit(tmp_path, capsys):
+    """Runs whose repeats are worth little (R* = 1, not Muennighoff et al.'s 15.4): fitted with
+    --repeat-half-life 1 the law is exact; with the default it is not. R* <= 0 is exit 2."""
+    runs = synth_runs(HALF, noise=0.0)
+    unique = sorted(r.tokens for r in runs)[len(runs) // 2]
+    for r in runs:
+        r.unique_tokens = unique
+        r.repeat_half_life = 1.0
+        r.val_loss = float(HALF.loss(r.n_params, r.effective_tokens))
+    write_runs_csv(runs, tmp_path / "runs.csv")
+    fits = {}
+    for rstar in ("1", "15.4"):
+        assert main(["fit", str(tmp_path / "runs.csv"), "--bootstrap", "0", "--bootstrap-a3", "0", "--top-k", "16",
+                     "--repeat-half-life", rstar, "--json"]) == 0
+        fits[rstar] = json.loads(capsys.readouterr().out)
+    assert fits["1"]["approach3"]["repeat_half_life"] == 1.0 and "--repeat-half-life 1" in fits["1"]["command"]
+    assert fits["1"]["rms_log_residual"] < 1e-3 < fits["15.4"]["rms_log_residual"]
+    assert fits["1"]["approach3"]["a"] == pytest.approx(0.5, abs=0.005)
+    assert main(["fit", str(tmp_path / "runs.csv"), "--repeat-half-life", "0"]) == 2
+    assert "--repeat-half-life=0 must be a finite number > 0" in capsys.readouterr().err
+
+
 def test_fit_defaults_to_the_count_the_runs_were_planned_on(tmp_path, capsys):
     """A runs CSV (or sweep) whose runs recorded scaling.count=non_embedding is fitted on that
     count without flags, Approach 2 over the runs within DEFAULT_WINDOW sizes of each best; the

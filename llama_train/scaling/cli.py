@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
@@ -15,6 +16,7 @@ from llama_train.scaling.laws import FITS, ScalingError
 from llama_train.scaling.memory import FIT_ORDER
 from llama_train.scaling.memory import _args_dict, deepspeed_estimate, fit_advice, model_info, rank_peak_memory
 from llama_train.scaling.planners import compute_optimal, inference_optimal, shape_for_params
+from llama_train.scaling.runs import REPEAT_HALF_LIFE
 from llama_train.util import jsonable
 
 
@@ -264,6 +266,8 @@ def _fit_each(ns: argparse.Namespace, path: Path, conventions, repro: str):
     analyses, reports, extra = {}, {}, {}
     for i, conv in enumerate(conventions):
         runs, skipped = load_runs(path, params=conv)
+        for r in runs:
+            r.repeat_half_life = ns.repeat_half_life
         if i == 0 and ns.csv:  # before any check, so a sweep too small to fit can still be exported
             extra["csv"] = str(write_runs_csv(runs, ns.csv, params=conv))
         if len(runs) < 5:
@@ -337,7 +341,8 @@ def _print_analysis(an, rep: Dict[str, Any], path: Path, conv: str, several: boo
         bci = an.approach3_bootstrap.ci if an.approach3_bootstrap else {}
         print(f"Approach 3 (App. D.2): L(N,D) = E + A/N^alpha + B/D^beta on {a3.n_points} runs, Huber "
               f"delta={a3.delta:g} on log loss, best of {a3.n_starts} L-BFGS starts; rms log residual "
-              f"{a3.rms_log_residual:.4f}")
+              f"{a3.rms_log_residual:.4f}; repeated tokens discounted with R*={an.runs[0].repeat_half_life:g}"
+              f" ({sum(r.effective_tokens < r.tokens for r in an.runs)} runs read their data more than once)")
         print(_table([[k, f"{getattr(law, k):.5g}", _ci(bci.get(k))] for k in ("E", "A", "B", "alpha", "beta")]
                      + [["a = beta/(alpha+beta)", f"{law.a:.4f}", _ci(bci.get("a"), "{:.4f}")],
                         ["b = alpha/(alpha+beta)", f"{law.b:.4f}", _ci(bci.get("b"), "{:.4f}")]],
@@ -378,7 +383,11 @@ def _cmd_fit(ns: argparse.Namespace) -> Dict[str, Any]:
     repro = "llama-plan fit " + shlex.join([
         str(path), "--params", ns.params, "--window", str(ns.window or 0),
         "--top-k", str(ns.top_k or 0), "--bootstrap", str(ns.bootstrap),
-        "--bootstrap-a3", str(ns.bootstrap_a3), "--bootstrap-top-k", str(ns.bootstrap_top_k), "--seed", str(ns.seed)])
+        "--bootstrap-a3", str(ns.bootstrap_a3), "--bootstrap-top-k", str(ns.bootstrap_top_k), "--seed", str(ns.seed),
+        "--repeat-half-life", f"{ns.repeat_half_life:g}"])
+    if not (ns.repeat_half_life > 0 and math.isfinite(ns.repeat_half_life)):
+        raise ScalingError(f"--repeat-half-life={ns.repeat_half_life:g} must be a finite number > 0 "
+                           f"(R* of Muennighoff et al.'s discount of repeated tokens; theirs is {REPEAT_HALF_LIFE:g})")
     if ns.window is not None and ns.window < 0:
         raise ScalingError(f"--window={ns.window} must be >= 0 (sizes either side of the best run; 0: all runs)")
     for k in ("bootstrap", "bootstrap_a3"):
@@ -509,6 +518,9 @@ def _add_fit(sub) -> None:
     p.add_argument("--bootstrap-top-k", type=int, default=10, metavar="K",
                    help="L-BFGS starts per Approach 3 bootstrap refit (plus the full-data optimum)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed (same seed, same intervals)")
+    p.add_argument("--repeat-half-life", type=float, default=REPEAT_HALF_LIFE, metavar="R",
+                   help=f"Approach 3: R* of the discount of repeated tokens, D' = U + U R* (1 - exp(-R/R*)) "
+                        f"(Muennighoff et al. 2023; default their {REPEAT_HALF_LIFE:g}; smaller: repeats worth less)")
     p.add_argument("--window", type=int, default=WINDOW, metavar="K",
                    help=f"Approach 2: fit each budget's parabola to the runs within K sizes either side of "
                         f"its best run (default {WINDOW}; 0: all runs). Far from its minimum an IsoFLOP curve is "

@@ -70,6 +70,7 @@ class SweepAnalysis:
             for k in A3_KEYS:
                 a3[k] = getattr(law, k)
                 a3[f"{k}_ci"] = ci.get(k)
+        a3["repeat_half_life"] = self.runs[0].repeat_half_life if self.runs else None
         a3["bootstrap"] = self.approach3_bootstrap.to_dict() if self.approach3_bootstrap else None
         out["approach3"] = a3
         out["params_convention"] = self.params

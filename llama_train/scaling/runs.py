@@ -16,6 +16,10 @@ import numpy as np
 from llama_train.records import METRICS_FILE, RUN_INFO_FILE, RunInfo, iter_records, last_val_loss
 from llama_train.scaling.laws import ScalingError
 
+# Muennighoff et al. 2023 ("Scaling Data-Constrained Language Models", arXiv:2305.16264, Eq. 5):
+# repeated tokens are worth less each epoch, by exp(-R / R_D*), their fitted R_D* = 15.4.
+REPEAT_HALF_LIFE = 15.4
+
 
 @dataclass
 class RunPoint:
@@ -31,26 +35,23 @@ class RunPoint:
     command: str = ""  # how the run was launched (run_info.json "command"), for the CSV
     unique_tokens: Optional[float] = None  # one epoch of the train split (run_info.json "epoch_tokens")
     count: Optional[str] = None  # the count its budget was planned on (run_info.json "count")
+    repeat_half_life: float = REPEAT_HALF_LIFE  # R* of the discount (llama-plan fit --repeat-half-life)
 
     @property
     def effective_tokens(self) -> float:
         """D as fresh-token equivalents: :func:`effective_tokens` of D over the unique tokens."""
-        return effective_tokens(self.tokens, self.unique_tokens)
+        return effective_tokens(self.tokens, self.unique_tokens, self.repeat_half_life)
 
 
-# Muennighoff et al. 2023 ("Scaling Data-Constrained Language Models", arXiv:2305.16264, Eq. 5):
-# repeated tokens are worth less each epoch, by exp(-R / R_D*), their fitted R_D* = 15.4.
-REPEAT_HALF_LIFE = 15.4
-
-
-def effective_tokens(tokens: float, unique: Optional[float]) -> float:
+def effective_tokens(tokens: float, unique: Optional[float], half_life: float = REPEAT_HALF_LIFE) -> float:
     """D' = U + U R* (1 - exp(-R / R*)), R = D / U - 1 the repeated epochs: D itself for one
     epoch or less, or with U unknown. At 2 epochs D' = 1.97 U, at 4 epochs 3.8 U (their finding:
-    up to ~4 epochs, repeated tokens are nearly as good as fresh ones)."""
+    up to ~4 epochs, repeated tokens are nearly as good as fresh ones). ``half_life`` is R*: a
+    smaller one makes repeats worth less (at R* = 1, 2 epochs are worth 1.63 U)."""
     if not unique or tokens <= unique:
         return float(tokens)
     repeats = tokens / unique - 1
-    return float(unique * (1 + REPEAT_HALF_LIFE * (1 - math.exp(-repeats / REPEAT_HALF_LIFE))))
+    return float(unique * (1 + half_life * (1 - math.exp(-repeats / half_life))))
 
 
 def final_val_loss(metrics_path: Path) -> Optional[float]:
