@@ -69,6 +69,26 @@ def test_zero3_rank_holds_its_share_of_a_real_job(tmp_path, world, rank):
     assert [p.name for p in (ckpt / "ranks").iterdir()] == [f"rank_{rank:05d}.pt"]
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.slow
+def test_the_last_rank_saves_though_its_padding_is_garbage(tmp_path, stage):
+    """DeepSpeed pads each ZeRO-3 partition with uninitialised memory; on rank 511 of 512 a
+    128-element norm weight's partition is all padding. With torch filling uninitialised memory
+    with NaN, the save's finiteness check must look only at real weights (it refused the save,
+    "weights at step 2 are not finite", before), and the run must train on."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        cfg = cfg_for(tmp_path / "out", *SIM, f"deepspeed.zero_stage={stage}",
+                      "comm.simulate_ranks=512", "comm.simulate_rank=511")
+        assert train(cfg)["step"] == 4
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+    assert (tmp_path / "out" / "checkpoints" / "step_00000004").is_dir()
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("world", [64, 512])
 @pytest.mark.slow

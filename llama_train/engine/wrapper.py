@@ -15,6 +15,18 @@ from llama_train import watchdog
 from llama_train.engine.ds_checkpoint import restricted_loads, universal_info
 
 
+def _zero3_real(param, part: torch.Tensor) -> torch.Tensor:
+    """The elements of this rank's ZeRO-3 partition ``part`` of ``param`` that hold weights.
+    DeepSpeed pads each parameter to a multiple of the ranks with uninitialised memory: on the
+    last ranks of a large job a small parameter's whole partition is padding (a 128-element
+    norm weight has none on ranks 128-511 of 512), and garbage there is not a diverged run."""
+    import torch.distributed as dist
+
+    group = getattr(param, "ds_process_group", None)
+    rank = dist.get_rank(group=group) if dist.is_initialized() else 0
+    return part.narrow(0, 0, max(0, min(part.numel(), param.ds_numel - rank * part.numel())))
+
+
 @dataclass
 class StepResult:
     """What an optimizer step did: ``applied`` is False when it was skipped (non-finite)."""
@@ -125,12 +137,20 @@ class Engine:
         fp32 master copies (ZeRO's partitions, the 16-bit wrappers' flat groups). A save asks
         before writing: NaN weights must never become a checkpoint that vouches for them. Local
         only; the caller makes the ranks agree."""
-        tensors = [p.ds_tensor if hasattr(p, "ds_tensor") else p.data
+        tensors = [_zero3_real(p, p.ds_tensor) if hasattr(p, "ds_tensor") else p.data
                    for p in self.ds.module.parameters()]
         opt = self.ds.optimizer
-        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
-                     "fp32_groups_flat_partition", "fp32_groups_flat"):
+        for attr in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition", "fp32_groups_flat"):
             tensors += [t for t in getattr(opt, attr, None) or [] if torch.is_tensor(t)]
+        # ZeRO-3's fp32 masters: each sub-group's flat buffer is its parameters' partitions end
+        # to end, padding included; only the real elements count
+        for flat, params in zip(getattr(opt, "fp32_partitioned_groups_flat", None) or [],
+                                getattr(opt, "fp16_groups", None) or []):
+            sizes = [p.ds_tensor.numel() for p in params]
+            if not torch.is_tensor(flat) or flat.numel() != sum(sizes):
+                continue  # not held here (NVMe offload keeps an empty placeholder)
+            for p, part in zip(params, flat.split(sizes)):
+                tensors.append(_zero3_real(p, part))
         # A sum is NaN/inf when any element is (and costs a 30th of isfinite(), which writes a
         # mask); only a non-finite sum, which an overflow could also give, is checked exactly.
         # Summed in the tensor's own dtype (torch accumulates in fp32 inside the kernel):
