@@ -235,8 +235,8 @@ def test_each_inference_optimal_plan_keeps_to_the_corpus():
     from helpers import compose_cfg
     from llama_train.preflight import plan_experiment
     from llama_train.scaling.laws import load_fit
-    from llama_train.scaling.study import (DEFAULT_SEED, FRONTIER_EPOCHS, FRONTIER_INFERENCE_TOKENS, INFERENCE_MULTIPLE,
-                                           frontier_runs)
+    from llama_train.scaling.study import (DEFAULT_SEED, FRONTIER_EPOCHS, FRONTIER_INFERENCE_TOKENS,
+                                           default_inference_tokens, frontier_runs)
 
     fit = REPO / "docs" / "data" / "isoflop_fit.yaml"
 
@@ -250,7 +250,7 @@ def test_each_inference_optimal_plan_keeps_to_the_corpus():
     law = load_fit(fit)
     for c in FRONTIER_INFERENCE_TOKENS:  # the cap is there because the default reads more
         io = next(r for r in planned if r.budget == c and r.tag == "inference-optimal")
-        default = float(f"{INFERENCE_MULTIPLE * law.optimal(c)[1]:.2g}")
+        default = default_inference_tokens(c, law)
         over = [o if not o.startswith("scaling.inference_tokens=") else f"scaling.inference_tokens={default:g}"
                 for o in io.overrides]
         assert epochs(over) > FRONTIER_EPOCHS

@@ -46,6 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from llama_train.config import TrainerConfig
 from llama_train.paths import REPO_ROOT as REPO
 from llama_train.records import RUN_INFO_FILE, RunInfo
 
@@ -75,7 +76,7 @@ LR_POINTS = ((52368, 3e11, (2e-3, 3e-3, 4.5e-3, 7e-3, 1e-2, 1.5e-2)),
 # seed does (0.01-0.04 in the previous sweep), so the runs within SEED_WINDOW sizes of each
 # budget's best run train again with trainer.seed=SEED2.
 SEED2, SEED_WINDOW = 7, 1
-DEFAULT_SEED = 1337  # trainer.seed's default (llama_train.config.TrainerConfig)
+DEFAULT_SEED = TrainerConfig.seed  # the seed a run gets without trainer.seed
 # frontier stage: at budgets a decade apart, the compute-optimal model and the
 # inference-optimal one for a lifetime of INFERENCE_MULTIPLE x the compute-optimal model's
 # training tokens, both planned by the fitted law, inside the sweep's range of tokens per
@@ -92,10 +93,14 @@ FRONTIER_EPOCHS = 1.6
 FRONTIER_INFERENCE_TOKENS = {3e13: 2e7}
 
 
+def default_inference_tokens(c: float, law) -> float:
+    """INFERENCE_MULTIPLE x the compute-optimal tokens at budget ``c`` (2 significant digits)."""
+    return float(f"{INFERENCE_MULTIPLE * law.optimal(c)[1]:.2g}")
+
+
 def frontier_inference_tokens(c: float, law) -> float:
-    """D_inf at budget ``c``: INFERENCE_MULTIPLE x the compute-optimal tokens (2 significant
-    digits) unless FRONTIER_INFERENCE_TOKENS caps it for the corpus."""
-    return FRONTIER_INFERENCE_TOKENS.get(c, float(f"{INFERENCE_MULTIPLE * law.optimal(c)[1]:.2g}"))
+    """D_inf at budget ``c``: the default unless FRONTIER_INFERENCE_TOKENS caps it for the corpus."""
+    return FRONTIER_INFERENCE_TOKENS.get(c, default_inference_tokens(c, law))
 
 
 @dataclass
@@ -279,6 +284,12 @@ def stage_sweep(out: Path, jobs: int, bin_dir: Path) -> List[Run]:
     return runs
 
 
+def with_seed2(r: Run, tag: str) -> Run:
+    """``r`` again with trainer.seed=SEED2, beside it (``<out>-seed7``)."""
+    return Run([*r.overrides, f"trainer.seed={SEED2}"], r.out.with_name(f"{r.out.name}-seed{SEED2}"), tag, r.cost,
+               r.budget)
+
+
 def second_seeds(runs: Sequence[Run], losses: Sequence[Optional[float]]) -> List[Run]:
     """For each budget, the runs within SEED_WINDOW sizes of its best (finished) run, again with
     trainer.seed=SEED2, beside the first in the sweep folder (``-seed7``)."""
@@ -290,8 +301,7 @@ def second_seeds(runs: Sequence[Run], losses: Sequence[Optional[float]]) -> List
             continue
         best = min(range(len(done)), key=lambda i: done[i][2])
         for _, r, _ in done[max(0, best - SEED_WINDOW):best + SEED_WINDOW + 1]:
-            out.append(Run([*r.overrides, f"trainer.seed={SEED2}"], r.out.with_name(f"{r.out.name}-seed{SEED2}"),
-                           f"{r.tag} seed={SEED2}", r.cost, c))
+            out.append(with_seed2(r, f"{r.tag} seed={SEED2}"))
     return out
 
 
@@ -344,8 +354,7 @@ def frontier_runs(out: Path, fit: Path) -> List[Tuple[float, float, int, Run]]:
                 Run(["experiment=inference_optimal", *common, f"scaling.inference_tokens={d_inf:g}"],
                     out / "frontier" / f"C{c:g}-inference_optimal", "inference-optimal", budget=c)]
         runs += [(c, d_inf, DEFAULT_SEED, r) for r in pair]
-        runs += [(c, d_inf, SEED2, Run([*r.overrides, f"trainer.seed={SEED2}"],
-                                       r.out.with_name(f"{r.out.name}-seed{SEED2}"), r.tag, budget=c)) for r in pair]
+        runs += [(c, d_inf, SEED2, with_seed2(r, r.tag)) for r in pair]
     return runs
 
 
