@@ -307,6 +307,27 @@ def test_the_repetition_discount_is_a_flag_of_fit(tmp_path, capsys):
     assert "--repeat-half-life=0 must be a finite number > 0" in capsys.readouterr().err
 
 
+def test_min_flops_fits_only_the_budgets_the_law_is_for(tmp_path, capsys):
+    """A smallest budget whose tiny models the form misses (here 6% above the law) pulls the
+    whole fit; --min-flops leaves it out of both approaches, says which runs it skipped and
+    keeps itself in the reproduce command."""
+    runs = synth_runs(HALF, noise=0.0)
+    for r in runs:
+        if r.budget == BUDGETS[0]:
+            r.val_loss *= 1.06
+    write_runs_csv(runs, tmp_path / "runs.csv")
+    opts = ["--bootstrap", "0", "--bootstrap-a3", "0", "--top-k", "16", "--json"]
+    fits = {}
+    for extra in ([], ["--min-flops", f"{BUDGETS[1]:g}"]):
+        assert main(["fit", str(tmp_path / "runs.csv"), *opts, *extra]) == 0
+        fits[bool(extra)] = json.loads(capsys.readouterr().out)
+    assert fits[True]["rms_log_residual"] < 1e-3 < fits[False]["rms_log_residual"]
+    assert fits[True]["approach3"]["a"] == pytest.approx(0.5, abs=0.005)
+    assert len(fits[True]["runs"]) == len(runs) - 7
+    assert {s["run"] for s in fits[True]["skipped"]} == {r.run for r in runs if r.budget == BUDGETS[0]}
+    assert f"--min-flops {BUDGETS[1]:g}" in fits[True]["command"] and "--min-flops" not in fits[False]["command"]
+
+
 def test_fit_defaults_to_the_count_the_runs_were_planned_on(tmp_path, capsys):
     """A runs CSV (or sweep) whose runs recorded scaling.count=non_embedding is fitted on that
     count without flags, Approach 2 over the runs within DEFAULT_WINDOW sizes of each best; the

@@ -266,6 +266,12 @@ def _fit_each(ns: argparse.Namespace, path: Path, conventions, repro: str):
     analyses, reports, extra = {}, {}, {}
     for i, conv in enumerate(conventions):
         runs, skipped = load_runs(path, params=conv)
+        if ns.min_flops:
+            def budget(r):  # the nominal budget it was planned on, else its own FLOPs
+                return r.budget if r.budget is not None else r.flops
+            skipped += [{"run": r.run, "reason": f"budget {budget(r):g} < --min-flops {ns.min_flops:g}"}
+                        for r in runs if budget(r) < ns.min_flops]
+            runs = [r for r in runs if budget(r) >= ns.min_flops]
         for r in runs:
             r.repeat_half_life = ns.repeat_half_life
         if i == 0 and ns.csv:  # before any check, so a sweep too small to fit can still be exported
@@ -384,7 +390,7 @@ def _cmd_fit(ns: argparse.Namespace) -> Dict[str, Any]:
         str(path), "--params", ns.params, "--window", str(ns.window or 0),
         "--top-k", str(ns.top_k or 0), "--bootstrap", str(ns.bootstrap),
         "--bootstrap-a3", str(ns.bootstrap_a3), "--bootstrap-top-k", str(ns.bootstrap_top_k), "--seed", str(ns.seed),
-        "--repeat-half-life", f"{ns.repeat_half_life:g}"])
+        "--repeat-half-life", f"{ns.repeat_half_life:g}", *(["--min-flops", f"{ns.min_flops:g}"] if ns.min_flops else [])])
     if not (ns.repeat_half_life > 0 and math.isfinite(ns.repeat_half_life)):
         raise ScalingError(f"--repeat-half-life={ns.repeat_half_life:g} must be a finite number > 0 "
                            f"(R* of Muennighoff et al.'s discount of repeated tokens; theirs is {REPEAT_HALF_LIFE:g})")
@@ -521,6 +527,9 @@ def _add_fit(sub) -> None:
     p.add_argument("--repeat-half-life", type=float, default=REPEAT_HALF_LIFE, metavar="R",
                    help=f"Approach 3: R* of the discount of repeated tokens, D' = U + U R* (1 - exp(-R/R*)) "
                         f"(Muennighoff et al. 2023; default their {REPEAT_HALF_LIFE:g}; smaller: repeats worth less)")
+    p.add_argument("--min-flops", type=float, default=None, metavar="C",
+                   help="fit only the budgets of at least C FLOPs (both approaches): leave out the smallest "
+                        "budgets when the law is to be used above them and its form misses their tiny models")
     p.add_argument("--window", type=int, default=WINDOW, metavar="K",
                    help=f"Approach 2: fit each budget's parabola to the runs within K sizes either side of "
                         f"its best run (default {WINDOW}; 0: all runs). Far from its minimum an IsoFLOP curve is "
