@@ -59,7 +59,7 @@ test-fast: $(STAMP)
 gpu-check:
 	bash launch/gpu_check.sh $(ARGS)
 
-# Our scaling study, end to end on 2 CPU cores (~6.7 h on the slower machine; the IsoFLOP sweep,
+# Our scaling study, end to end on 2 CPU cores (~7.9 h on the slower machine; the IsoFLOP sweep,
 # 5 budgets x 7-8 sizes, measured 3.0 h of it: docs/scaling.md): lr vs size, the sweep, a second
 # seed near each minimum, the Approach 2/3 fits and plot, then the compute- vs inference-optimal
 # pairs at 3e11, 3e12 and 3e13, two seeds each (2.0 h).

@@ -104,23 +104,37 @@ def test_unknown_stage_is_refused(capsys):
 
 
 def test_a_finished_run_of_another_plan_is_not_taken_for_this_one(tmp_path, capsys):
-    """A rerun skips the runs already finished, but only those made by the command it plans now:
-    a directory holding another plan's result (a changed D_inf, say) stops the stage, naming both
-    commands, instead of writing that result into the CSV as this plan's."""
-    from llama_train.scaling.study import Run, run_all
+    """A rerun skips the runs already finished, but only those that trained what it plans now: a
+    directory holding another command's result (a changed D_inf, say), or the same command's
+    from before the fit file changed under it, stops the stage, naming what differs, instead of
+    writing that result into the CSV as this plan's."""
+    from llama_train.scaling.study import Run, planned_now, run_all
 
-    run = Run(["experiment=inference_optimal", "scaling.inference_tokens=2e+07"], tmp_path / "io", "inference-optimal")
+    fit = tmp_path / "fit.yaml"
+    fit.write_text((REPO / "docs" / "data" / "isoflop_fit.yaml").read_text())
+    run = Run(["experiment=compute_optimal", "+study=cpu", f"scaling.fit={fit}", "scaling.flops=1e+12",
+               "scaling.tolerance=0.3"], tmp_path / "co", "compute-optimal")
     run.out.mkdir()
-    info = {"params": {"non_embedding": 1}, "model_args": {}, "tokens": 1, "global_batch": 1, "seq_len": 1,
-            "max_steps": 1, "final_val_loss": 2.0, "final_step": 1}
+    trained = planned_now(run.args)
+    assert trained["model_args"]["dim"] == 40 and trained["model_args"]["n_layers"] == 2  # docs/scaling.md's 64.2k
+    info = {"params": {"non_embedding": 1}, "tokens": 1, "global_batch": 1, "seq_len": 1, **trained,
+            "final_val_loss": 2.0, "final_step": 1}
     (run.out / "run_info.json").write_text(json.dumps({**info, "command": run.command}))
     assert run_all([run], 1, tmp_path)[0].final_val_loss == 2.0  # the same plan: kept, nothing run
-    assert "done before: inference-optimal" in capsys.readouterr().out
-    old = run.command.replace("2e+07", "5.3e+07")
+    assert "done before: compute-optimal" in capsys.readouterr().out
+
+    old = run.command.replace("1e+12", "3e+12")
     (run.out / "run_info.json").write_text(json.dumps({**info, "command": old}))
     with pytest.raises(SystemExit, match="another plan") as e:
         run_all([run], 1, tmp_path)
     assert old in str(e.value) and run.command in str(e.value)
+
+    (run.out / "run_info.json").write_text(json.dumps({**info, "command": run.command}))
+    fit.write_text(fit.read_text().replace("A: 45.7", "A: 95.7"))  # a law whose optimum is larger
+    assert planned_now(run.args)["model_args"]["dim"] != 40
+    with pytest.raises(SystemExit, match="now plans another run") as e:
+        run_all([run], 1, tmp_path)
+    assert "'dim': (40, " in str(e.value) and "max_steps" in str(e.value)
 
 
 @pytest.mark.slow  # ~1-2 min of bootstrap refits
@@ -235,8 +249,8 @@ def test_each_inference_optimal_plan_keeps_to_the_corpus():
     from helpers import compose_cfg
     from llama_train.preflight import plan_experiment
     from llama_train.scaling.laws import load_fit
-    from llama_train.scaling.study import (DEFAULT_SEED, FRONTIER_EPOCHS, FRONTIER_INFERENCE_TOKENS,
-                                           default_inference_tokens, frontier_runs)
+    from llama_train.scaling.study import (DEFAULT_SEED, FRONTIER_BUDGETS, FRONTIER_EPOCHS,
+                                           FRONTIER_INFERENCE_TOKENS, default_inference_tokens, frontier_runs)
 
     fit = REPO / "docs" / "data" / "isoflop_fit.yaml"
 
@@ -246,7 +260,7 @@ def test_each_inference_optimal_plan_keeps_to_the_corpus():
 
     planned = [run for _, _, seed, run in frontier_runs(REPO / "outputs" / "study", fit) if seed == DEFAULT_SEED]
     got = [epochs(run.overrides) for run in planned if run.tag == "inference-optimal"]
-    assert len(got) == 3 and max(got) <= FRONTIER_EPOCHS, got
+    assert len(got) == len(FRONTIER_BUDGETS) and max(got) <= FRONTIER_EPOCHS, got
     law = load_fit(fit)
     for c in FRONTIER_INFERENCE_TOKENS:  # the cap is there because the default reads more
         io = next(r for r in planned if r.budget == c and r.tag == "inference-optimal")

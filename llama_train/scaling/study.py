@@ -1,6 +1,6 @@
 """Our own scaling study on 2 CPU cores, end to end (``make scaling-demo``; docs/scaling.md).
 
-    python -m llama_train.scaling.study                      # every stage, ~6.7 h on 2 cores
+    python -m llama_train.scaling.study                      # every stage, ~7.9 h on 2 cores
     python -m llama_train.scaling.study --stages fit,frontier  # from the committed runs CSV
 
 Stages, each a set of real ``llama-train`` / ``llama-plan`` commands (printed as they start):
@@ -18,21 +18,24 @@ Stages, each a set of real ``llama-train`` / ``llama-plan`` commands (printed as
   defaults (the count the budgets were planned on, Approach 2 within 2 sizes of each budget's
   best, Approach 3 on repetition-discounted tokens, bootstrap intervals for both):
   ``<docs>/img/isoflop.png`` and the Approach 3 law ``<docs>/data/isoflop_fit.yaml``.
-* ``frontier``: with that law, at three budgets a decade apart each, ``experiment=compute_optimal`` and
-  ``experiment=inference_optimal`` (D_inf = INFERENCE_MULTIPLE x the compute-optimal tokens,
-  less where the inference-optimal model would read the corpus more than FRONTIER_EPOCHS times):
-  each trained with two seeds, its val loss against the law's target, and its lifetime FLOPs
-  6 N D + 2 N D_inf; the pair compared on the seeds' means. Writes ``<docs>/data/frontier_runs.csv``.
+* ``frontier``: with that law, at five budgets from 3e11 to 3e13, each a decade from another,
+  ``experiment=compute_optimal`` and ``experiment=inference_optimal`` (D_inf =
+  INFERENCE_MULTIPLE x the compute-optimal tokens, less where the inference-optimal model would
+  read the corpus more than FRONTIER_EPOCHS times): each trained with two seeds, its val loss
+  against the law's target, and its lifetime FLOPs 6 N D + 2 N D_inf; the pair compared on the
+  seeds' means. Writes ``<docs>/data/frontier_runs.csv``.
 
-Every stage skips runs that finished before (their run_info.json has a final val_loss and the
-command planned now), so a stopped study goes on where it was. Runs go two at a time (``--jobs``) with one thread each (on 2 cores that is ~2x one run on two
-threads for these tiny models); results do not depend on the order or the pairing.
+Every stage skips runs that finished before (their run_info.json has a final val_loss, the
+command planned now and the model and steps that command plans today), so a stopped study goes
+on where it was. Runs go two at a time (``--jobs``) with one thread each (on 2 cores that is ~2x
+one run on two threads for these tiny models); results do not depend on the order or the pairing.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import os
 import shlex
@@ -40,13 +43,13 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from llama_train.config import TrainerConfig
+from llama_train.config import ConfigError, TrainerConfig
 from llama_train.paths import REPO_ROOT as REPO
 from llama_train.records import RUN_INFO_FILE, RunInfo
 
@@ -77,12 +80,13 @@ LR_POINTS = ((52368, 3e11, (2e-3, 3e-3, 4.5e-3, 7e-3, 1e-2, 1.5e-2)),
 # budget's best run train again with trainer.seed=SEED2.
 SEED2, SEED_WINDOW = 7, 1
 DEFAULT_SEED = TrainerConfig.seed  # the seed a run gets without trainer.seed
-# frontier stage: at budgets a decade apart, the compute-optimal model and the
-# inference-optimal one for a lifetime of INFERENCE_MULTIPLE x the compute-optimal model's
-# training tokens, both planned by the fitted law, inside the sweep's range of tokens per
-# parameter (its over-trained points). FRONTIER_TOLERANCE: how far a planned N may be
+# frontier stage: at budgets half a decade apart, so that each has one a decade away (3e11-3e12-
+# 3e13, and the sweep's own 1e12-1e13), the compute-optimal model and the inference-optimal one
+# for a lifetime of INFERENCE_MULTIPLE x the compute-optimal model's training tokens, both
+# planned by the fitted law, inside the sweep's range of tokens per parameter (its over-trained
+# points). FRONTIER_TOLERANCE: how far a planned N may be
 # rounded to the nearest shape of the family (its sizes are up to 1.74x apart here).
-FRONTIER_BUDGETS, INFERENCE_MULTIPLE, FRONTIER_TOLERANCE = (3e11, 3e12, 3e13), 3.0, 0.3
+FRONTIER_BUDGETS, INFERENCE_MULTIPLE, FRONTIER_TOLERANCE = (3e11, 1e12, 3e12, 1e13, 3e13), 3.0, 0.3
 # The inference-optimal model may read the train split at most FRONTIER_EPOCHS times: the sweep's
 # repeated runs stay on the law up to 1.55 epochs (-1.4% to +1.2%) and lie 2.7-2.8% above it at
 # 1.90 and 2.35. At 3e13, D_inf = 3 x 17.8M = 53M plans 139.6k params on 44.2M tokens (2.64
@@ -169,19 +173,61 @@ def _env() -> Dict[str, str]:
     return env
 
 
+def planned_now(overrides: Sequence[str]) -> Dict[str, Any]:
+    """The model and steps ``overrides`` train today: the planner's pick under the fit file and
+    code as they are now, which one command string does not pin down (edit the fit, and
+    ``scaling.fit=docs/data/isoflop_fit.yaml`` plans another model)."""
+    from hydra import compose, initialize_config_dir
+
+    from llama_train.config import load_config
+    from llama_train.paths import CONFIG_DIR
+    from llama_train.preflight import plan_experiment
+
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        cfg = load_config(compose("config", overrides=list(overrides)))
+    cfg, _ = plan_experiment(cfg, 1)
+    return json.loads(json.dumps({"model_args": asdict(cfg.model), "max_steps": cfg.trainer.max_steps}))
+
+
+def finished_run(r: Run) -> Optional[RunInfo]:
+    """``r``'s run_info when it finished before as what ``r`` plans now (its command, then the
+    model and steps that command plans today); None when it has still to run. A directory holding
+    another plan's result stops the study, rather than its result being written down as this one's."""
+    info = r.out / RUN_INFO_FILE
+    if not info.is_file() or RunInfo.read(info).final_val_loss is None:
+        return None
+    got = RunInfo.read(info)
+    if got.command is not None and got.command != r.command:
+        raise SystemExit(f"{r.out} holds a finished run of another plan:\n  {got.command}\nwhere the "
+                         f"study now plans\n  {r.command}\nMove that directory aside (its result is "
+                         f"kept there) and run the stage again.")
+    try:
+        now = planned_now(r.args)
+    except ConfigError as e:
+        raise SystemExit(f"{r.out} finished as `{r.command}`, which now plans nothing: {e}") from None
+    trained = {"model_args": got.model_args, "max_steps": got.max_steps}
+    if trained != now:
+        diff = {k: (trained[k], now[k]) for k in now if trained[k] != now[k]}
+        if "model_args" in diff:
+            a, b = diff["model_args"]
+            diff["model_args"] = {k: (a.get(k), b[k]) for k in b if a.get(k) != b[k]}
+        raise SystemExit(f"{r.out} finished as `{r.command}`, but that command now plans another run "
+                         f"(trained, planned now): {diff}. The fit or the planner changed since: move "
+                         f"that directory aside (its result is kept there) and run the stage again.")
+    return got
+
+
 def run_all(runs: Sequence[Run], jobs: int, bin_dir: Path) -> List[Optional[RunInfo]]:
-    """Run each (skipping ones whose run_info.json has a final val_loss), ``jobs`` at a time, the
-    dearest first; their run_info.json in input order (None for a run that failed)."""
-    def one(r: Run) -> Optional[RunInfo]:
-        info = r.out / RUN_INFO_FILE
-        if info.is_file() and RunInfo.read(info).final_val_loss is not None:
-            got = RunInfo.read(info)
-            if got.command is not None and got.command != r.command:
-                raise SystemExit(f"{r.out} holds a finished run of another plan:\n  {got.command}\nwhere the "
-                                 f"study now plans\n  {r.command}\nMove that directory aside (its result is "
-                                 f"kept there) and run the stage again.")
+    """Run each (skipping those :func:`finished_run` finds done), ``jobs`` at a time, the dearest
+    first; their run_info.json in input order (None for a run that failed)."""
+    before = [finished_run(r) for r in runs]  # here, not in the threads: Hydra's compose is global
+
+    def one(i: int) -> Optional[RunInfo]:
+        r = runs[i]
+        if before[i] is not None:
             print(f"  done before: {r.tag}", flush=True)
-            return got
+            return before[i]
+        info = r.out / RUN_INFO_FILE
         r.out.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         with open(r.log, "w") as log:
@@ -196,7 +242,7 @@ def run_all(runs: Sequence[Run], jobs: int, bin_dir: Path) -> List[Optional[RunI
 
     order = sorted(range(len(runs)), key=lambda i: (runs[i].budget, -runs[i].cost))
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        done = dict(zip(order, pool.map(one, [runs[i] for i in order])))
+        done = dict(zip(order, pool.map(one, order)))
     return [done[i] for i in range(len(runs))]
 
 
