@@ -179,14 +179,16 @@ def planned_now(overrides: Sequence[str]) -> Dict[str, Any]:
     ``scaling.fit=docs/data/isoflop_fit.yaml`` plans another model)."""
     from hydra import compose, initialize_config_dir
 
-    from llama_train.config import load_config
+    from llama_train.config import load_config, resolve_batch
     from llama_train.paths import CONFIG_DIR
-    from llama_train.preflight import plan_experiment
+    from llama_train.scaling.planners import plan_experiment
 
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = load_config(compose("config", overrides=list(overrides)))
-    cfg, _ = plan_experiment(cfg, 1)
-    return json.loads(json.dumps({"model_args": asdict(cfg.model), "max_steps": cfg.trainer.max_steps}))
+    t = cfg.trainer  # one process, as the study runs it; what preflight.plan_experiment plans
+    exp = plan_experiment(cfg.scaling, cfg.model, t.seq_len, resolve_batch(t, 1).global_batch * t.seq_len,
+                          cfg.optim.warmup_steps, base_lr=cfg.optim.lr)
+    return json.loads(json.dumps({"model_args": asdict(exp.model), "max_steps": exp.max_steps}))
 
 
 def finished_run(r: Run) -> Optional[RunInfo]:
