@@ -196,9 +196,9 @@ def finished_run(r: Run) -> Optional[RunInfo]:
     model and steps that command plans today); None when it has still to run. A directory holding
     another plan's result stops the study, rather than its result being written down as this one's."""
     info = r.out / RUN_INFO_FILE
-    if not info.is_file() or RunInfo.read(info).final_val_loss is None:
+    got = RunInfo.read(info) if info.is_file() else None
+    if got is None or got.final_val_loss is None:
         return None
-    got = RunInfo.read(info)
     if got.command is not None and got.command != r.command:
         raise SystemExit(f"{r.out} holds a finished run of another plan:\n  {got.command}\nwhere the "
                          f"study now plans\n  {r.command}\nMove that directory aside (its result is "
