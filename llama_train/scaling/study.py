@@ -1,6 +1,6 @@
 """Our own scaling study on 2 CPU cores, end to end (``make scaling-demo``; docs/scaling.md).
 
-    python -m llama_train.scaling.study                      # every stage, ~7.9 h on 2 cores
+    python -m llama_train.scaling.study                      # every stage, ~5.8 h on 2 cores
     python -m llama_train.scaling.study --stages fit,frontier  # from the committed runs CSV
 
 Stages, each a set of real ``llama-train`` / ``llama-plan`` commands (printed as they start):
