@@ -305,20 +305,15 @@ def plan_experiment(cfg: Config, world_size: int):
     (model shape, steps, warmup from the plan) and the plan; ``cfg`` itself is left alone."""
     if cfg.scaling.mode == "none":
         return cfg, None
-    from llama_train.scaling import plan_experiment as plan_for
+    from llama_train.scaling.planners import plan_config
 
     if cfg.data.val_fraction == 0:
         raise ConfigError(f"scaling.mode={cfg.scaling.mode} compares runs by their validation "
                           f"loss, but data.val_fraction=0 leaves no validation split: set "
                           f"data.val_fraction > 0 (default 0.01).")
-    t = cfg.trainer
-    tokens_per_step = resolve_batch(t, world_size).global_batch * t.seq_len
-    exp = plan_for(cfg.scaling, cfg.model, t.seq_len, tokens_per_step, cfg.optim.warmup_steps,
-                   base_lr=cfg.optim.lr)
+    planned, exp = plan_config(cfg, world_size)
     log.info("scaling %s", exp.describe())
-    optim = replace(cfg.optim, warmup_steps=exp.warmup_steps,
-                    lr=exp.lr if exp.lr is not None else cfg.optim.lr)
-    return replace(cfg, model=exp.model, trainer=replace(t, max_steps=exp.max_steps), optim=optim), exp
+    return planned, exp
 
 
 def _check_writable(output_dir: str) -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
 from llama_train.scaling.laws import APPROACH1, APPROACH2, LossLaw, ScalingError, lifetime_optimal, load_fit
 
 if TYPE_CHECKING:  # torch is imported lazily so the pure-math planners start instantly
-    from llama_train.config import ScalingConfig
+    from llama_train.config import Config, ScalingConfig
     from llama_train.model import ModelArgs
 
 FitSpec = Union[str, Path, LossLaw, Dict[str, Any]]
@@ -451,3 +451,22 @@ def plan_experiment(
                           warmup_steps=min(warmup_steps, max(1, max_steps // 10)), fit=fit,
                           count=s.count, lr=lr, shape_params=n_shape,
                           target_loss=plan.get("loss"))
+
+
+def plan_config(cfg: "Config", world_size: int) -> Tuple["Config", Optional[ExperimentPlan]]:
+    """The config a run of ``cfg`` trains with on ``world_size`` data-parallel ranks (model shape,
+    steps, warmup and rate from the plan) and the plan; ``cfg`` itself is left alone. The one
+    place a config becomes a plan: the trainer's preflight and the study's check of a finished
+    run both ask here, so they cannot disagree."""
+    from dataclasses import replace
+
+    from llama_train.config import resolve_batch
+
+    t = cfg.trainer
+    tokens_per_step = resolve_batch(t, world_size).global_batch * t.seq_len
+    exp = plan_experiment(cfg.scaling, cfg.model, t.seq_len, tokens_per_step, cfg.optim.warmup_steps,
+                          base_lr=cfg.optim.lr)
+    if exp is None:
+        return cfg, None
+    optim = replace(cfg.optim, warmup_steps=exp.warmup_steps, lr=exp.lr if exp.lr is not None else cfg.optim.lr)
+    return replace(cfg, model=exp.model, trainer=replace(t, max_steps=exp.max_steps), optim=optim), exp

@@ -182,15 +182,13 @@ def planned_now(overrides: Sequence[str]) -> Dict[str, Any]:
     ``scaling.fit=docs/data/isoflop_fit.yaml`` plans another model)."""
     from hydra import compose, initialize_config_dir
 
-    from llama_train.config import load_config, resolve_batch
+    from llama_train.config import load_config
     from llama_train.paths import CONFIG_DIR
-    from llama_train.scaling.planners import plan_experiment
+    from llama_train.scaling.planners import plan_config
 
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = load_config(compose("config", overrides=list(overrides)))
-    t = cfg.trainer  # one process, as the study runs it; what preflight.plan_experiment plans
-    exp = plan_experiment(cfg.scaling, cfg.model, t.seq_len, resolve_batch(t, 1).global_batch * t.seq_len,
-                          cfg.optim.warmup_steps, base_lr=cfg.optim.lr)
+    _, exp = plan_config(cfg, 1)  # one process, as the study runs it
     return json.loads(json.dumps({"model_args": asdict(exp.model), "max_steps": exp.max_steps}))
 
 
