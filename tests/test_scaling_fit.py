@@ -362,3 +362,42 @@ def test_a_sweep_older_than_the_count_field_reads_it_from_config_yaml(tmp_path):
         (tmp_path / "sweep" / r.run / "config.yaml").write_text(f"scaling:\n  mode: {mode}\n  count: non_embedding\n")
     got, _ = collect_runs(tmp_path / "sweep")
     assert sorted(str(r.count) for r in got) == ["None"] + ["non_embedding"] * (len(runs) - 1)
+
+
+def test_misfit_is_told_apart_from_the_seeds_noise(tmp_path, capsys):
+    """Runs exactly on the law but for one point run twice, its seeds e either side: the seeds'
+    pure error is e*sqrt(2) (1 dof), the law's rms residual only that point's share, and every
+    budget's mean residual 0. The CLI says so, and warns when the law misses by more than the
+    seeds differ."""
+    from llama_train.scaling.approach3 import noise_and_misfit
+    from llama_train.scaling.runs import group_budgets
+
+    e = 0.001
+    runs = synth_runs(HALF, noise=0.0)
+    twin = runs[3]
+    runs[3:4] = [RunPoint(**{**vars(twin), "run": twin.run + s, "val_loss": twin.val_loss * math.exp(k * e)})
+                 for s, k in (("", 1), ("-seed7", -1))]
+    nm = noise_and_misfit(HALF, group_budgets(runs))
+    assert (nm.repeated_points, nm.dof) == (1, 1)
+    assert nm.seed_sd == pytest.approx(e * math.sqrt(2))
+    assert nm.rms_residual == pytest.approx(e * math.sqrt(2 / len(runs)))
+    assert [c for c, _ in nm.budget_residual] == list(BUDGETS)
+    assert all(abs(m) < 1e-12 for _, m in nm.budget_residual)
+    # one budget 3% above the law: refitted, the law misses it (and so the others) by more than the
+    # seeds differ
+    off = [RunPoint(**{**vars(r), "val_loss": r.val_loss * (1.03 if r.budget == BUDGETS[0] else 1.0)}) for r in runs]
+    write_runs_csv(off, tmp_path / "runs.csv")
+    assert main(["fit", str(tmp_path / "runs.csv"), "--top-k", "8", "--bootstrap", "0", "--bootstrap-a3", "0"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if "misfit:" in ln][0]
+    assert "(law over runs) 1e+17 -" in line and "pooled over 1 points run with 2+ seeds, 1 dof" in line
+    assert "the law misses by more than the seeds differ there" in line
+    assert main(["fit", str(tmp_path / "runs.csv"), "--top-k", "8", "--bootstrap", "0", "--bootstrap-a3", "0",
+                 "--json"]) == 0
+    noise = json.loads(capsys.readouterr().out)["approach3"]["noise"]
+    assert noise["repeated_points"] == 1 and noise["budget_mean_log_residual"][0]["flops"] == BUDGETS[0]
+
+
+def test_without_repeated_points_the_seeds_share_is_unknown(capsys, tmp_path):
+    write_runs_csv(synth_runs(HALF), tmp_path / "runs.csv")
+    assert main(["fit", str(tmp_path / "runs.csv"), "--top-k", "8", "--bootstrap", "0", "--bootstrap-a3", "0"]) == 0
+    assert "no point was run with two seeds" in capsys.readouterr().out

@@ -21,6 +21,10 @@ from llama_train.scaling.study import (BUDGETS, GUESS_A, GUESS_C, GUESS_N, MAX_E
                                        SIZES, TOLERANCE, VOCAB, ladder, main, sizes_for)
 
 RUNS_CSV = REPO / "docs" / "data" / "isoflop_runs.csv"
+# the sweep with a second seed near each budget's minimum only, the laws fitted on it and the
+# pairs they planned, kept as they were (docs/scaling.md); their commands name these laws
+NEAR = REPO / "docs" / "data" / "seeds_near_minima"
+NEAR_RUNS_CSV = NEAR / "isoflop_runs.csv"
 # the first sweep (4 budgets) and the pair its law planned, kept as they were (docs/scaling.md)
 SWEEP1 = REPO / "docs" / "data" / "sweep1"
 STDLIB_TRAIN_TOKENS = 16_748_322  # data.source=stdlib at vocab 512 (llama-data info)
@@ -66,7 +70,7 @@ def test_the_planner_keeps_to_the_family_between_its_sizes():
 
 
 def test_the_planner_fills_the_familys_widest_gap_without_moving_the_sweep():
-    """The planned 1.05e5 compute-optimal model of 3e12 (docs/data/frontier_runs_48x2.csv) fell in the
+    """The planned 1.05e5 compute-optimal model of 3e12 (docs/data/seeds_near_minima/frontier_runs_48x2.csv) fell in the
     family's widest gap above 12k, 48x2 (80.1k) to 64x2 (139.6k), and was built as 80.1k. The
     planner also has width 56: 56x2 (107.8k), in the family; the sweep's ladder keeps its widths,
     so the committed sweep is still the grid make scaling-demo runs."""
@@ -111,7 +115,7 @@ def test_a_finished_run_of_another_plan_is_not_taken_for_this_one(tmp_path, caps
     from llama_train.scaling.study import Run, planned_now, run_all
 
     fit = tmp_path / "fit.yaml"
-    fit.write_text((REPO / "docs" / "data" / "isoflop_fit.yaml").read_text())
+    fit.write_text((NEAR / "isoflop_fit.yaml").read_text())
     run = Run(["experiment=compute_optimal", "+study=cpu", f"scaling.fit={fit}", "scaling.flops=1e+12",
                "scaling.tolerance=0.3"], tmp_path / "co", "compute-optimal")
     run.out.mkdir()
@@ -152,7 +156,7 @@ def test_committed_sweep_recovers_the_chinchilla_exponent():
         assert r["count"] == "non_embedding"
     assert len(budgets) >= 5 and max(budgets) / min(budgets) >= 100 and all(len(v) >= 7 for v in budgets.values())
     seeds = [r for r in rows if "trainer.seed=7" in r["command"]]
-    assert len(seeds) >= 3 * (len(budgets) - 1)  # a second seed around (nearly) every budget's best
+    assert len(seeds) == len(rows) // 2  # every size with a second seed
     out = subprocess.run([sys.executable, "-m", "llama_train.scaling", "fit", str(RUNS_CSV),
                           "--bootstrap-a3", "20", "--bootstrap-top-k", "4", "--json"],
                          capture_output=True, text=True, cwd=REPO, timeout=900)
@@ -197,20 +201,38 @@ def test_first_sweeps_frontier_pair_is_what_its_law_planned():
         assert "scaling.fit=docs/data/sweep1/isoflop_fit.yaml" in r["command"]
 
 
-def test_the_frontier_law_is_the_sweep_fitted_on_the_budgets_it_plans(capsys):
-    """docs/data/frontier_fit.yaml is `llama-plan fit docs/data/isoflop_runs.csv --min-flops 3e11`
-    (the fit stage): the committed runs of the frontier's budgets and up, 1e11 left out."""
+@pytest.mark.parametrize("where", [REPO / "docs" / "data", NEAR], ids=["now", "seeds_near_minima"])
+def test_the_laws_are_the_sweep_fitted(where, capsys):
+    """Each folder's laws are its runs CSV fitted as the fit stage fits it: isoflop_fit.yaml with
+    the defaults, frontier_fit.yaml from 3e11 up (`--min-flops`, the frontier's budgets)."""
     from llama_train.scaling.cli import main
     from llama_train.scaling.laws import load_fit
     from llama_train.scaling.study import FRONTIER_BUDGETS, FRONTIER_FIT_MIN_FLOPS
 
     assert FRONTIER_FIT_MIN_FLOPS == min(FRONTIER_BUDGETS) == 3e11
-    assert main(["fit", str(RUNS_CSV), "--min-flops", "3e11", "--bootstrap", "0", "--bootstrap-a3", "0", "--json"]) == 0
-    res = json.loads(capsys.readouterr().out)
-    law = load_fit(REPO / "docs" / "data" / "frontier_fit.yaml")
-    for k in ("E", "A", "B", "alpha", "beta"):
-        assert getattr(law, k) == pytest.approx(res["fit"][k], rel=1e-6), k
-    assert {s["reason"].split(" <")[0] for s in res["skipped"]} == {"budget 1e+11"}
+    for name, flags in (("isoflop_fit.yaml", []), ("frontier_fit.yaml", ["--min-flops", "3e11"])):
+        assert main(["fit", str(where / "isoflop_runs.csv"), *flags, "--bootstrap", "0", "--bootstrap-a3", "0",
+                     "--json"]) == 0
+        res = json.loads(capsys.readouterr().out)
+        law = load_fit(where / name)
+        for k in ("E", "A", "B", "alpha", "beta"):
+            assert getattr(law, k) == pytest.approx(res["fit"][k], rel=1e-6), (name, k)
+        assert {s["reason"].split(" <")[0] for s in res["skipped"]} == ({"budget 1e+11"} if flags else set())
+
+
+def test_the_sweep_is_the_one_before_it_with_a_second_seed_at_every_size():
+    """docs/data/isoflop_runs.csv holds every run of docs/data/seeds_near_minima/isoflop_runs.csv
+    as it was, and each size of each budget with both seeds (`--stages sweep,seeds`)."""
+    from llama_train.scaling.study import DEFAULT_SEED, SEED2
+
+    now, before = _rows(RUNS_CSV), _rows(NEAR_RUNS_CSV)
+    assert [r for r in now if r["run"] in {b["run"] for b in before}] == before
+    seeds = {}
+    for r in now:
+        seed = int(r["command"].split("trainer.seed=")[1].split()[0]) if "trainer.seed=" in r["command"] else DEFAULT_SEED
+        seeds.setdefault((r["flops"], r["non_embedding_params"]), []).append(seed)
+    assert all(sorted(v) == sorted([SEED2, DEFAULT_SEED]) for v in seeds.values()), seeds
+    assert len(now) == 2 * len(seeds) > len(before)
 
 
 def _pair_rows(rows):
@@ -222,8 +244,8 @@ def _pair_rows(rows):
 
 
 def test_committed_frontier_pairs_are_what_the_law_planned():
-    """docs/data/frontier_runs.csv (`--stages frontier`): at budgets a decade apart, both models
-    planned by docs/data/frontier_fit.yaml with D_inf = 3x its compute-optimal tokens, each
+    """docs/data/seeds_near_minima/frontier_runs.csv (`--stages frontier` before the second seeds
+    at every size): at budgets a decade apart, both models planned by its frontier_fit.yaml with D_inf = 3x its compute-optimal tokens, each
     trained with its budget's seeds, one plan per model; the inference-optimal one smaller and
     trained on more tokens. Checks the CSV's own arithmetic and plans, and the means the claim
     is judged on; how close each lands is for docs/scaling.md to report."""
@@ -233,8 +255,8 @@ def test_committed_frontier_pairs_are_what_the_law_planned():
     from llama_train.scaling.study import (FRONTIER_BUDGETS, FRONTIER_SEEDS, default_inference_tokens,
                                            frontier_pairs, frontier_runs)
 
-    fit = REPO / "docs" / "data" / "frontier_fit.yaml"
-    rows = _rows(REPO / "docs" / "data" / "frontier_runs.csv")
+    fit = NEAR / "frontier_fit.yaml"
+    rows = _rows(NEAR / "frontier_runs.csv")
     law = load_fit(fit)
     by_budget = _pair_rows(rows)
     assert list(by_budget) == list(FRONTIER_BUDGETS)
@@ -266,7 +288,7 @@ def test_committed_frontier_pairs_are_what_the_law_planned():
             assert in_family(dim, layers)  # +study=cpu: scaling.family_only
             cmd = shlex.split(r["command"])
             assert cmd[:2] == ["llama-train", f"experiment={r['model'].replace('-', '_')}"] and "+study=cpu" in cmd
-            assert "scaling.fit=docs/data/frontier_fit.yaml" in cmd
+            assert "scaling.fit=docs/data/seeds_near_minima/frontier_fit.yaml" in cmd
         loss = {m: np.array([float(r["val_loss"]) for r in got if r["model"] == m])
                 for m in ("compute-optimal", "inference-optimal")}
         p = pairs[c]
@@ -278,13 +300,13 @@ def test_committed_frontier_pairs_are_what_the_law_planned():
 
 
 def test_the_sweep_laws_pairs_are_what_it_planned():
-    """docs/data/frontier_runs_sweep_law.csv, kept as it was: the pairs the law fitted on all five
-    budgets (docs/data/isoflop_fit.yaml) planned at 3e11-3e13, two seeds each; its arithmetic,
+    """docs/data/seeds_near_minima/frontier_runs_sweep_law.csv, kept as it was: the pairs the law
+    fitted on all five budgets (its isoflop_fit.yaml) planned at 3e11-3e13, two seeds each; its arithmetic,
     and each plan the same over its seeds."""
     from llama_train.scaling.laws import load_fit
 
-    law = load_fit(REPO / "docs" / "data" / "isoflop_fit.yaml")
-    by_budget = _pair_rows(_rows(REPO / "docs" / "data" / "frontier_runs_sweep_law.csv"))
+    law = load_fit(NEAR / "isoflop_fit.yaml")
+    by_budget = _pair_rows(_rows(NEAR / "frontier_runs_sweep_law.csv"))
     assert list(by_budget) == [3e11, 1e12, 3e12, 1e13, 3e13]
     for c, got in by_budget.items():
         assert [(r["model"], int(r["seed"])) for r in got] == [
@@ -294,11 +316,12 @@ def test_the_sweep_laws_pairs_are_what_it_planned():
         for r in got:
             assert float(r["target_loss"]) == pytest.approx(law.loss(*law.optimal(c)), rel=1e-9)
             _assert_row_arithmetic(r, law, float(r["inference_tokens"]))
-            assert "scaling.fit=docs/data/isoflop_fit.yaml" in shlex.split(r["command"])
+            assert "scaling.fit=docs/data/seeds_near_minima/isoflop_fit.yaml" in shlex.split(r["command"])
 
 
-def test_each_inference_optimal_plan_keeps_to_the_corpus():
-    """The frontier's inference-optimal models read the train split at most FRONTIER_EPOCHS times,
+@pytest.mark.parametrize("where", [REPO / "docs" / "data", NEAR], ids=["now", "seeds_near_minima"])
+def test_each_inference_optimal_plan_keeps_to_the_corpus(where):
+    """The frontier's inference-optimal models (planned by each folder's law) read the train split at most FRONTIER_EPOCHS times,
     where the sweep's repeated runs stay on the law (the sweep law's 3e13 plan read it 2.64 times
     and missed by 2.6%, docs/scaling.md)."""
     from helpers import compose_cfg
@@ -309,7 +332,7 @@ def test_each_inference_optimal_plan_keeps_to_the_corpus():
         _, exp = plan_experiment(compose_cfg([o for o in overrides if not o.startswith("trainer.output_dir=")]), 1)
         return exp.n_tokens / STDLIB_TRAIN_TOKENS
 
-    fit = REPO / "docs" / "data" / "frontier_fit.yaml"
+    fit = where / "frontier_fit.yaml"
     planned = [run for _, _, seed, run in frontier_runs(REPO / "outputs" / "study", fit) if seed == DEFAULT_SEED]
     got = [epochs(run.overrides) for run in planned if run.tag == "inference-optimal"]
     assert len(got) == len(FRONTIER_BUDGETS) and max(got) <= FRONTIER_EPOCHS, got
@@ -317,20 +340,20 @@ def test_each_inference_optimal_plan_keeps_to_the_corpus():
 
 def test_the_sweeps_repeated_runs_ask_for_a_smaller_repetition_discount(capsys):
     """docs/scaling.md's account of the 3e13 inference-optimal miss with D_inf = 53M: refitted with
-    R* = 0.5 (repeats worth less than Muennighoff et al.'s 15.4) the committed runs fit better, and
+    R* = 0.5 (repeats worth less than Muennighoff et al.'s 15.4) the runs its law was fitted on fit better, and
     the law predicts that run (2.64 epochs) within 1% where the committed fit puts it more than 2%
     low."""
     from llama_train.scaling.cli import main
     from llama_train.scaling.laws import LossLaw
     from llama_train.scaling.runs import effective_tokens
 
-    io = _rows(REPO / "docs" / "data" / "frontier_3e13_dinf53M.csv")[-1]
+    io = _rows(NEAR / "frontier_3e13_dinf53M.csv")[-1]
     assert (float(io["flops"]), io["model"]) == (3e13, "inference-optimal")
     n, d, val = float(io["non_embedding_params"]), float(io["tokens"]), float(io["val_loss"])
     assert d / STDLIB_TRAIN_TOKENS > 2.5
     got = {}
     for rstar in (0.5, 15.4):
-        assert main(["fit", str(RUNS_CSV), "--bootstrap", "0", "--bootstrap-a3", "0", "--top-k", "8",
+        assert main(["fit", str(NEAR_RUNS_CSV), "--bootstrap", "0", "--bootstrap-a3", "0", "--top-k", "8",
                      "--repeat-half-life", f"{rstar:g}", "--json"]) == 0  # top-k 64: the same optima
         res = json.loads(capsys.readouterr().out)
         law = LossLaw(**{k: res["fit"][k] for k in ("E", "A", "B", "alpha", "beta")})
@@ -387,3 +410,45 @@ def test_the_learning_rate_rule_is_the_one_the_committed_lr_sweep_measured():
     assert large[0][0] < large[1][0] and large[0][1] < large[1][1]  # 1e13: lower rate, lower loss
     assert small[0][0] == large[0][0] and small[0][1] > small[1][1]  # 1e12: the same rate loses
     assert best_lr([1e-3, 2e-3, 4e-3], [3.0, 2.9, 2.8])[1].startswith("at the edge")
+
+
+def test_the_seeds_stage_trains_every_size_of_the_sweep_again(tmp_path):
+    from llama_train.scaling.study import SEED2, second_seeds, sweep_runs
+
+    sweep = sweep_runs(tmp_path, STDLIB_TRAIN_TOKENS)
+    again = second_seeds(sweep)
+    assert len(again) == len(sweep) and len(sweep) == sum(len(v) for v in (
+        [r for r in sweep if r.budget == c] for c in BUDGETS)) >= SIZES * len(BUDGETS)
+    for first, second in zip(sweep, again):
+        assert second.overrides == [*first.overrides, f"trainer.seed={SEED2}"]
+        assert second.out == first.out.with_name(first.out.name + f"-seed{SEED2}") and second.budget == first.budget
+
+
+def test_the_runs_csv_keeps_the_runs_the_sweep_folder_does_not_hold(tmp_path, capsys):
+    """The fit stage on a checkout that holds only some runs (a later stage's, say): the folder's
+    runs replace their rows, the others stay as committed, one row per run in name order."""
+    from llama_train.scaling.runs import RunPoint, load_runs_csv, write_runs_csv
+    from llama_train.scaling.study import update_runs_csv
+
+    def point(name, loss):
+        return RunPoint(run=name, n_params=1000.0, tokens=2e5, flops=1.2e9, val_loss=loss, budget=1e9,
+                        total_params=1500.0, non_embedding_params=1000.0, command=f"llama-train x={name}",
+                        count="non_embedding")
+
+    csv_path = tmp_path / "runs.csv"
+    write_runs_csv([point("C1-a", 3.0), point("C1-b", 3.1), point("C1-c", 3.2)], csv_path, params="non_embedding")
+    sweep = tmp_path / "sweep"
+    for name, loss in (("C1-b", 2.9), ("C1-b-seed7", 2.95)):
+        d = sweep / name
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 9, "val_loss": loss}) + "\n")
+        (d / "run_info.json").write_text(json.dumps({
+            "params": {"total": 1500.0, "non_embedding": 1000.0}, "tokens": 2e5, "flops": 1.2e9,
+            "flop_budget": 1e9, "command": f"llama-train x={name}", "count": "non_embedding"}))
+    update_runs_csv(sweep, csv_path)
+    assert "2 runs from" in capsys.readouterr().out
+    got, skipped = load_runs_csv(csv_path, "non_embedding")
+    assert not skipped
+    assert [(r.run, r.val_loss, r.command) for r in got] == [
+        ("C1-a", 3.0, "llama-train x=C1-a"), ("C1-b", 2.9, "llama-train x=C1-b"),
+        ("C1-b-seed7", 2.95, "llama-train x=C1-b-seed7"), ("C1-c", 3.2, "llama-train x=C1-c")]

@@ -152,6 +152,43 @@ def fit_loss_law(
 
 
 
+@dataclass
+class NoiseAndMisfit:
+    """How far the law misses the runs against how far a seed moves one: the classical split of
+    the residuals into pure error (runs that repeat a budget, N and D with another seed) and lack
+    of fit (the rest). When the law misses by much more than seeds differ, more seeds narrow its
+    intervals little: its form or the sweep's edges limit them."""
+
+    seed_sd: Optional[float]  # one run's sd in log loss, pooled over the repeated points; None without any
+    repeated_points: int  # (budget, N, D) points run with 2+ seeds
+    dof: int  # sum over them of (runs - 1)
+    rms_residual: float  # the law's rms log residual over all runs
+    budget_residual: List[Tuple[float, float]]  # (budget, mean log residual of its runs)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"seed_sd_log": self.seed_sd, "repeated_points": self.repeated_points, "seed_dof": self.dof,
+                "rms_log_residual": self.rms_residual,
+                "budget_mean_log_residual": [{"flops": c, "mean": m} for c, m in self.budget_residual]}
+
+
+def noise_and_misfit(law: LossLaw, groups: Sequence[Tuple[float, Sequence[RunPoint]]]) -> NoiseAndMisfit:
+    """The law's residuals (log of its loss over each run's) per budget, and the seeds' pure error."""
+    ss, dof, points, resid, per_budget = 0.0, 0, 0, [], []
+    for budget, members in groups:
+        r = [math.log(law.loss(m.n_params, m.effective_tokens) / m.val_loss) for m in members]
+        resid += r
+        per_budget.append((float(budget), float(np.mean(r))))
+        same: Dict[Tuple[float, float], List[float]] = {}
+        for m in members:
+            same.setdefault((m.n_params, m.tokens), []).append(math.log(m.val_loss))
+        for logs in (v for v in same.values() if len(v) > 1):
+            ss += float(np.sum((np.asarray(logs) - np.mean(logs)) ** 2))
+            dof += len(logs) - 1
+            points += 1
+    return NoiseAndMisfit(seed_sd=math.sqrt(ss / dof) if dof else None, repeated_points=points, dof=dof,
+                          rms_residual=float(np.sqrt(np.mean(np.square(resid)))), budget_residual=per_budget)
+
+
 A3_KEYS = ("E", "A", "B", "alpha", "beta", "a", "b")
 
 

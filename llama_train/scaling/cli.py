@@ -309,6 +309,18 @@ def _boot_line(b, what):
                if b.n_failed > 0.1 * b.n_resamples else ""))
 
 
+def _noise_line(nm) -> str:
+    """Approach 3's misses against the seeds' spread: which one limits its intervals."""
+    per = ", ".join(f"{c:.3g} {100 * m:+.1f}%" for c, m in nm.budget_residual)
+    if nm.seed_sd is None:
+        seeds = "no point was run with two seeds, so the seeds' share of it is unknown"
+    else:
+        seeds = (f"one run's seed sd {nm.seed_sd:.4f} (pooled over {nm.repeated_points} points run with 2+ seeds, "
+                 f"{nm.dof} dof)" + ("; the law misses by more than the seeds differ there: more seeds at those points "
+                                     "narrow its intervals little" if nm.rms_residual > 2 * nm.seed_sd else ""))
+    return f"  misfit: rms log residual {nm.rms_residual:.4f}, mean per budget (law over runs) {per}; {seeds}"
+
+
 def _print_analysis(an, rep: Dict[str, Any], path: Path, conv: str, several: bool,
                     ns: argparse.Namespace) -> None:
     """One parameter convention's fits as tables (llama-plan fit without --json)."""
@@ -357,6 +369,7 @@ def _print_analysis(an, rep: Dict[str, Any], path: Path, conv: str, several: boo
         b = an.approach3_bootstrap
         print(_boot_line(b, "--bootstrap-a3") + (f"; {ns.bootstrap_top_k} L-BFGS starts per refit "
                                                 f"(+ the full-data optimum)" if b else ""))
+        print(_noise_line(an.noise))
     else:
         print(f"Approach 3: no fit: {an.approach3_error}")
     if rep["skipped"]:

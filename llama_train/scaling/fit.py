@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from llama_train.scaling.approach2 import (FLAG_TEXT, REFUSALS, WARNINGS, Approach2Result, IsoFlopParabola,
                                            PowerLaw, fit_approach2, fit_isoflop_parabola, fit_power_law)
-from llama_train.scaling.approach3 import A3_KEYS, FitResult, bootstrap_approach3, fit_loss_law, paper_init_grid
+from llama_train.scaling.approach3 import (A3_KEYS, FitResult, NoiseAndMisfit, bootstrap_approach3, fit_loss_law,
+                                           noise_and_misfit, paper_init_grid)
 from llama_train.scaling.bootstrap import BOOTSTRAP_MIN_OK, BootstrapResult
 from llama_train.scaling.laws import ScalingError
 from llama_train.scaling.runs import (CSV_COLUMNS, CSV_EXTRA_COLUMNS, RunPoint, collect_runs, final_val_loss,
@@ -30,7 +31,8 @@ __all__ = [
     "REFUSALS", "WARNINGS", "FLAG_TEXT", "IsoFlopParabola", "fit_isoflop_parabola", "PowerLaw",
     "fit_power_law", "Approach2Result", "fit_approach2",
     # approach 3
-    "paper_init_grid", "FitResult", "fit_loss_law", "A3_KEYS", "bootstrap_approach3",
+    "paper_init_grid", "FitResult", "fit_loss_law", "A3_KEYS", "bootstrap_approach3", "NoiseAndMisfit",
+    "noise_and_misfit",
     # bootstrap
     "BootstrapResult", "BOOTSTRAP_MIN_OK",
 ]
@@ -47,6 +49,7 @@ class SweepAnalysis:
     approach3: Optional[FitResult]
     approach3_bootstrap: Optional[BootstrapResult] = None
     approach3_error: Optional[str] = None
+    noise: Optional[NoiseAndMisfit] = None  # Approach 3's residuals against the seeds' pure error
 
     def to_dict(self) -> Dict[str, Any]:
         """Approach 3's FitResult keys at the top (as ``llama-plan fit --json`` always had), per
@@ -72,6 +75,7 @@ class SweepAnalysis:
                 a3[f"{k}_ci"] = ci.get(k)
         a3["repeat_half_life"] = self.runs[0].repeat_half_life if self.runs else None
         a3["bootstrap"] = self.approach3_bootstrap.to_dict() if self.approach3_bootstrap else None
+        a3["noise"] = self.noise.to_dict() if self.noise else None
         out["approach3"] = a3
         out["params_convention"] = self.params
         return out
@@ -96,4 +100,5 @@ def analyse_runs(runs: Sequence[RunPoint], *, params: str = "total", top_k: Opti
     if a3 is None and a2.n_opt_law is None:
         raise ScalingError(f"neither approach gives an answer: Approach 2: {a2.error}; Approach 3: {a3_err}")
     return SweepAnalysis(runs=runs, params=params, groups=groups, approach2=a2, approach3=a3,
-                         approach3_bootstrap=a3_boot, approach3_error=a3_err)
+                         approach3_bootstrap=a3_boot, approach3_error=a3_err,
+                         noise=noise_and_misfit(a3.law, groups) if a3 is not None else None)

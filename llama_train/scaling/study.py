@@ -1,6 +1,6 @@
 """Our own scaling study on 2 CPU cores, end to end (``make scaling-demo``; docs/scaling.md).
 
-    python -m llama_train.scaling.study                      # every stage, ~5.8 h on 2 cores
+    python -m llama_train.scaling.study                      # every stage, ~6.9 h on 2 cores
     python -m llama_train.scaling.study --stages fit,frontier  # from the committed runs CSV
 
 Stages, each a set of real ``llama-train`` / ``llama-plan`` commands (printed as they start):
@@ -13,7 +13,7 @@ Stages, each a set of real ``llama-train`` / ``llama-plan`` commands (printed as
 * ``sweep``: the IsoFLOP grid, ``experiment=isoflop +study=cpu``: five budgets over two
   decades, seven sizes of :func:`ladder` (the planner's shape family) around each guessed
   optimum, plus over-trained sizes below them; each run its own ``llama-train`` command.
-* ``seeds``: the runs within SEED_WINDOW sizes of each budget's best again with another seed.
+* ``seeds``: every run of the sweep again with another seed (trainer.seed=SEED2).
 * ``fit``: the runs to ``<docs>/data/isoflop_runs.csv``, then ``llama-plan fit`` on it with its
   defaults (the count the budgets were planned on, Approach 2 within 2 sizes of each budget's
   best, Approach 3 on repetition-discounted tokens, bootstrap intervals for both):
@@ -77,20 +77,22 @@ LR_POINTS = ((52368, 3e11, (2e-3, 3e-3, 4.5e-3, 7e-3, 1e-2, 1.5e-2)),
              (531216, 1e13, (1e-3, 1.5e-3, 2e-3, 3e-3, 4.5e-3, 7e-3)),
              (139584, 1e12, (2.5e-3, 4.944e-3, 1e-2)),
              (139584, 1e13, (2.5e-3, 4.944e-3)))
-# seeds stage: near each budget's minimum neighbouring sizes differ by about what a change of
-# seed does (0.01-0.04 in the previous sweep), so the runs within SEED_WINDOW sizes of each
-# budget's best run train again with trainer.seed=SEED2.
-SEED2, SEED_WINDOW = 7, 1
+# seeds stage: every run of the sweep trains again with trainer.seed=SEED2. Near each budget's
+# minimum a seed moves a run by about what a size step does (0.6% sd); at the budgets' edges,
+# where a size trains on few tokens per parameter, one seed lay 2-10% from another (C=1e11
+# N=52368: 3.7765 and 3.4101), so one run per size let single unlucky seeds set the fits.
+SEED2 = 7
 DEFAULT_SEED = TrainerConfig.seed  # the seed a run gets without trainer.seed
 # frontier stage: at budgets half a decade apart, so that each has one a decade away (3e11-3e12,
 # 1e12-1e13), the compute-optimal model and the inference-optimal one for a lifetime of
 # INFERENCE_MULTIPLE x the compute-optimal model's training tokens, both planned by the law fitted
 # on the budgets it plans at (FRONTIER_BUDGETS[0] and up: `llama-plan fit --min-flops`,
-# <docs>/data/frontier_fit.yaml). 1e11 lies below every plan, and with it in the fit
-# (<docs>/data/isoflop_fit.yaml) the law put 3e11's and 1e12's compute-optimal sizes 1.5x and 1.8x
-# above the sweep's own minima: those models missed their targets by +2.9% and +4.6%
-# (<docs>/data/frontier_runs_sweep_law.csv, which also holds 3e13). FRONTIER_TOLERANCE: how far a
-# planned N may be rounded to the nearest shape of the family (its sizes are up to 1.74x apart here).
+# <docs>/data/frontier_fit.yaml). 1e11 lies below every plan, and with it in the fit (the sweep
+# with seeds near its minima, <docs>/data/seeds_near_minima/isoflop_fit.yaml) the law put 3e11's
+# and 1e12's compute-optimal sizes 1.5x and 1.8x above the sweep's own minima: those models missed
+# their targets by +2.9% and +4.6% (seeds_near_minima/frontier_runs_sweep_law.csv, which also
+# holds 3e13). FRONTIER_TOLERANCE: how far a planned N may be rounded to the nearest shape of the
+# family (its sizes are up to 1.74x apart here).
 FRONTIER_BUDGETS, INFERENCE_MULTIPLE, FRONTIER_TOLERANCE = (3e11, 1e12, 3e12, 1e13), 3.0, 0.3
 FRONTIER_FIT_MIN_FLOPS = FRONTIER_BUDGETS[0]
 # Seeds per budget, the pair judged on each model's mean: five at 3e11 and 1e12, where one run's
@@ -342,26 +344,14 @@ def with_seed(r: Run, seed: int, tag: str) -> Run:
                r.budget)
 
 
-def second_seeds(runs: Sequence[Run], losses: Sequence[Optional[float]]) -> List[Run]:
-    """For each budget, the runs within SEED_WINDOW sizes of its best (finished) run, again with
-    trainer.seed=SEED2, beside the first in the sweep folder (``-seed7``)."""
-    out: List[Run] = []
-    for c in sorted({r.budget for r in runs}):
-        done = sorted((int(r.overrides[-1].split("=")[1]), r, v) for r, v in zip(runs, losses)
-                      if r.budget == c and v is not None)
-        if not done:
-            continue
-        best = min(range(len(done)), key=lambda i: done[i][2])
-        for _, r, _ in done[max(0, best - SEED_WINDOW):best + SEED_WINDOW + 1]:
-            out.append(with_seed(r, SEED2, f"{r.tag} seed={SEED2}"))
-    return out
+def second_seeds(runs: Sequence[Run]) -> List[Run]:
+    """Each run of the sweep again with trainer.seed=SEED2, beside the first (``-seed7``)."""
+    return [with_seed(r, SEED2, f"{r.tag} seed={SEED2}") for r in runs]
 
 
 def stage_seeds(out: Path, jobs: int, bin_dir: Path) -> List[Run]:
-    runs = sweep_runs(out, train_tokens())
-    losses = [RunInfo.final_val_loss_of(r.out) for r in runs]
-    again = second_seeds(runs, losses)
-    print(f"  {len(again)} runs near the budgets' minima with trainer.seed={SEED2}")
+    again = second_seeds(sweep_runs(out, train_tokens()))
+    print(f"  {len(again)} runs of the sweep with trainer.seed={SEED2}")
     run_all(again, jobs, bin_dir)
     return again
 
@@ -377,6 +367,19 @@ def _rel(path: Path) -> Path:
     return path.relative_to(REPO) if path.is_relative_to(REPO) else path
 
 
+def update_runs_csv(sweep: Path, path: Path) -> None:
+    """The runs CSV from the sweep folder's runs, keeping the rows of runs the folder does not
+    hold (a checkout with only the committed CSV, plus the runs a later stage added): one row per
+    run, in the order of their folders' names."""
+    from llama_train.scaling.runs import collect_runs, load_runs_csv, write_runs_csv
+
+    here, _ = collect_runs(sweep, params="non_embedding")
+    names = {r.run for r in here}
+    kept = [r for r in (load_runs_csv(path, "non_embedding")[0] if path.is_file() else []) if r.run not in names]
+    write_runs_csv(sorted(here + kept, key=lambda r: r.run), path, params="non_embedding")
+    print(f"  {_rel(path)}: {len(here)} runs from {_rel(sweep)}, {len(kept)} kept from before", flush=True)
+
+
 def stage_fit(out: Path, docs: Path, bin_dir: Path) -> None:
     """The sweep's runs (both seeds) to the CSV, then llama-plan fit with its defaults on it
     (the count the budgets were planned on, Approach 2 within 2 sizes of each best, bootstrap
@@ -385,7 +388,7 @@ def stage_fit(out: Path, docs: Path, bin_dir: Path) -> None:
     sweep, docs = _rel(out / "sweep"), _rel(docs)
     csv_path = docs / "data" / "isoflop_runs.csv"
     if (REPO / sweep).is_dir():
-        _plan(["fit", str(sweep), "--csv", str(csv_path), "--bootstrap", "0", "--bootstrap-a3", "0"], bin_dir)
+        update_runs_csv(REPO / sweep, REPO / csv_path)
     _plan(["fit", str(csv_path), "--out", str(docs / "img" / "isoflop.png"),
            "--save-fit", str(docs / "data" / "isoflop_fit.yaml")], bin_dir)
     _plan(["fit", str(csv_path), "--params", "total", "--bootstrap", "0", "--bootstrap-a3", "0"], bin_dir)
