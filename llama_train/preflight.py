@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from llama_train.config import (BatchPlan, Config, ConfigError, config_warnings,
-                                data_parallel_size, resolve_batch, to_container, validate)
+                                data_parallel_size, to_container, validate)
 
 log = logging.getLogger("llama_train")
 
