@@ -18,7 +18,7 @@ from llama_train.model import count_params
 from llama_train.records import RunInfo
 from llama_train.scaling.planners import aspect_miss, in_family, shape_for_params
 from llama_train.scaling.study import (BUDGETS, GUESS_A, GUESS_C, GUESS_N, MAX_EPOCHS, MIN_RATIO, OVERTRAIN_TPP,
-                                       SIZES, TOLERANCE, VOCAB, ladder, main, sizes_for)
+                                       SIZES, SWEEP_SEEDS, TOLERANCE, VOCAB, ladder, main, sizes_for)
 
 RUNS_CSV = REPO / "docs" / "data" / "isoflop_runs.csv"
 # the sweep with a second seed near each budget's minimum only, the laws fitted on it and the
@@ -141,12 +141,22 @@ def test_a_finished_run_of_another_plan_is_not_taken_for_this_one(tmp_path, caps
     assert "'dim': (40, " in str(e.value) and "max_steps" in str(e.value)
 
 
-@pytest.mark.slow  # ~1-2 min of bootstrap refits
+def _fit_json(*flags):
+    out = subprocess.run([sys.executable, "-m", "llama_train.scaling", "fit", str(RUNS_CSV), *flags, "--json"],
+                         capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+@pytest.mark.slow  # ~1 min of bootstrap refits
 def test_committed_sweep_recovers_the_chinchilla_exponent():
-    """`llama-plan fit docs/data/isoflop_runs.csv` with its defaults (what docs/scaling.md quotes;
-    only Approach 3's resamples are fewer here): five budgets over two decades, each minimum
-    interior; both approaches put a (N_opt ∝ C^a) in [0.42, 0.58] on the non-embedding N the
-    budgets were planned on, Approach 2's interval no wider than 0.20."""
+    """`llama-plan fit docs/data/isoflop_runs.csv` with its defaults (what docs/scaling.md quotes):
+    five budgets over two decades, seven sizes or more each, three seeds per size; both
+    approaches put a (N_opt ∝ C^a) in [0.42, 0.58] on the non-embedding N the budgets were planned
+    on, each 95% interval no wider than 0.20. Approach 2's default parabola (within 2 sizes of each
+    budget's best run) opens downward at 1e12, whose profile is flat from 42.4k to 80.1k with
+    64.2k above it; over each budget's whole profile (`--window 0`, as Hoffmann et al.) every
+    budget has its minimum inside."""
     rows = _rows(RUNS_CSV)
     budgets = {}
     for r in rows:
@@ -155,21 +165,21 @@ def test_committed_sweep_recovers_the_chinchilla_exponent():
         assert cmd[:3] == ["llama-train", "experiment=isoflop", "+study=cpu"], r["command"]
         assert r["count"] == "non_embedding"
     assert len(budgets) >= 5 and max(budgets) / min(budgets) >= 100 and all(len(v) >= 7 for v in budgets.values())
-    seeds = [r for r in rows if "trainer.seed=7" in r["command"]]
-    assert len(seeds) == len(rows) // 2  # every size with a second seed
-    out = subprocess.run([sys.executable, "-m", "llama_train.scaling", "fit", str(RUNS_CSV),
-                          "--bootstrap-a3", "20", "--bootstrap-top-k", "4", "--json"],
-                         capture_output=True, text=True, cwd=REPO, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout)
+    for seed in SWEEP_SEEDS:  # every size with the first seed and each of these
+        assert 3 * sum(f"trainer.seed={seed} " in r["command"] for r in rows) == len(rows), seed
+    res = _fit_json()
     a2, a3 = res["approach2"], res["approach3"]
     assert res["params_convention"] == "non_embedding"  # --params auto: the runs' scaling.count
-    assert a2["budgets_used"] == a2["budgets"] == len(budgets)  # every budget has its minimum inside
+    assert a2["budgets"] == len(budgets) and a2["budgets_used"] == len(budgets) - 1
+    assert [b["approach2"]["flags"] for b in res["budgets"] if not b["approach2"]["used"]] == [["opens_downward"]]
     assert 0.42 <= a2["a"] <= 0.58 and 0.42 <= a3["a"] <= 0.58, (a2["a"], a3["a"])
     assert abs(a2["a"] - a3["a"]) < 0.05
-    assert a2["a_ci"][0] < a2["a"] < a2["a_ci"][1] and a2["a_ci"][1] - a2["a_ci"][0] <= 0.20, a2["a_ci"]
-    assert a2["bootstrap"]["resamples"] == 200
-    assert a3["a_ci"][0] < a3["a"] < a3["a_ci"][1]
+    for got, resamples in ((a2, 200), (a3, 100)):
+        assert got["a_ci"][0] < got["a"] < got["a_ci"][1] and got["a_ci"][1] - got["a_ci"][0] <= 0.20, got["a_ci"]
+        assert got["bootstrap"]["resamples"] == resamples
+    whole = _fit_json("--window", "0", "--bootstrap-a3", "0")["approach2"]
+    assert whole["budgets_used"] == len(budgets) and 0.42 <= whole["a"] <= 0.58
+    assert whole["a_ci"][1] - whole["a_ci"][0] <= 0.20
 
 
 def _assert_row_arithmetic(r, law, d_inf: float) -> None:
@@ -220,10 +230,11 @@ def test_the_laws_are_the_sweep_fitted(where, capsys):
         assert {s["reason"].split(" <")[0] for s in res["skipped"]} == ({"budget 1e+11"} if flags else set())
 
 
-def test_the_sweep_is_the_one_before_it_with_a_second_seed_at_every_size():
+def test_the_sweep_is_the_one_before_it_with_three_seeds_at_every_size():
     """docs/data/isoflop_runs.csv holds every run of docs/data/seeds_near_minima/isoflop_runs.csv
-    as it was, and each size of each budget with both seeds (`--stages sweep,seeds`)."""
-    from llama_train.scaling.study import DEFAULT_SEED, SEED2
+    as it was, and each size of each budget with the first seed and each of SWEEP_SEEDS
+    (`--stages sweep,seeds`)."""
+    from llama_train.scaling.study import DEFAULT_SEED
 
     now, before = _rows(RUNS_CSV), _rows(NEAR_RUNS_CSV)
     assert [r for r in now if r["run"] in {b["run"] for b in before}] == before
@@ -231,8 +242,9 @@ def test_the_sweep_is_the_one_before_it_with_a_second_seed_at_every_size():
     for r in now:
         seed = int(r["command"].split("trainer.seed=")[1].split()[0]) if "trainer.seed=" in r["command"] else DEFAULT_SEED
         seeds.setdefault((r["flops"], r["non_embedding_params"]), []).append(seed)
-    assert all(sorted(v) == sorted([SEED2, DEFAULT_SEED]) for v in seeds.values()), seeds
-    assert len(now) == 2 * len(seeds) > len(before)
+    assert len(SWEEP_SEEDS) == 2 and DEFAULT_SEED not in SWEEP_SEEDS
+    assert all(sorted(v) == sorted([DEFAULT_SEED, *SWEEP_SEEDS]) for v in seeds.values()), seeds
+    assert len(now) == 3 * len(seeds) > len(before)
 
 
 def _pair_rows(rows):
@@ -412,16 +424,18 @@ def test_the_learning_rate_rule_is_the_one_the_committed_lr_sweep_measured():
     assert best_lr([1e-3, 2e-3, 4e-3], [3.0, 2.9, 2.8])[1].startswith("at the edge")
 
 
-def test_the_seeds_stage_trains_every_size_of_the_sweep_again(tmp_path):
-    from llama_train.scaling.study import SEED2, second_seeds, sweep_runs
+def test_the_seeds_stage_trains_every_size_of_the_sweep_again_with_each_seed(tmp_path):
+    from llama_train.scaling.study import more_seeds, sweep_runs
 
     sweep = sweep_runs(tmp_path, STDLIB_TRAIN_TOKENS)
-    again = second_seeds(sweep)
-    assert len(again) == len(sweep) and len(sweep) == sum(len(v) for v in (
+    again = more_seeds(sweep)
+    assert len(sweep) == sum(len(v) for v in (
         [r for r in sweep if r.budget == c] for c in BUDGETS)) >= SIZES * len(BUDGETS)
-    for first, second in zip(sweep, again):
-        assert second.overrides == [*first.overrides, f"trainer.seed={SEED2}"]
-        assert second.out == first.out.with_name(first.out.name + f"-seed{SEED2}") and second.budget == first.budget
+    assert len(again) == len(SWEEP_SEEDS) * len(sweep) and len({r.out for r in again}) == len(again)
+    for k, seed in enumerate(SWEEP_SEEDS):
+        for first, other in zip(sweep, again[k * len(sweep):(k + 1) * len(sweep)]):
+            assert other.overrides == [*first.overrides, f"trainer.seed={seed}"]
+            assert other.out == first.out.with_name(first.out.name + f"-seed{seed}") and other.budget == first.budget
 
 
 def test_the_runs_csv_keeps_the_runs_the_sweep_folder_does_not_hold(tmp_path, capsys):
