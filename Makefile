@@ -59,10 +59,10 @@ test-fast: $(STAMP)
 gpu-check:
 	bash launch/gpu_check.sh $(ARGS)
 
-# Our scaling study, end to end on 2 CPU cores (~8.2 h; the IsoFLOP sweep, 5 budgets x 7-8 sizes,
+# Our scaling study, end to end on 2 CPU cores (~8.5 h; the IsoFLOP sweep, 5 budgets x 7-8 sizes,
 # measured 3.0 h of it on the slower machine: docs/scaling.md): lr vs size, the sweep, two more
 # seeds at every size (3.2 h), the Approach 2/3 fits and plot, then the compute- vs inference-optimal
-# pairs at 3e11, 1e12, 3e12 and 1e13, planned by the law fitted from 3e11 up (74.6 min).
+# pairs at 3e11, 1e12, 3e12 and 1e13, planned by the law fitted from 3e11 up (1.5 h).
 # A stopped study goes on where it was; STAGES=fit,frontier starts from the committed
 # docs/data/isoflop_runs.csv.
 STAGES ?= lr,sweep,seeds,fit,frontier
