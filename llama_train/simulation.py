@@ -93,14 +93,22 @@ class Simulation:
     # -- the report --------------------------------------------------------------------------
     def report(self) -> Dict[str, Any]:
         peak = self.meter.report()
+        # CUDA: the peak is max_memory_allocated above idle; the caching allocator's
+        # max_memory_reserved above idle (what the device must really have) beside it
+        cuda = self.meter.cuda
         measured = [{"phase": name, "peak_bytes": m[self.meter.key],
                      "seconds": m["seconds"] / m.get("count", 1),
-                     **({"max_allocated": m["max_allocated"], "max_reserved": m["max_reserved"]}
-                        if self.meter.cuda else {})}
+                     **({"reserved_bytes": m["max_reserved_above_idle"],
+                         "max_allocated": m["max_allocated"], "max_reserved": m["max_reserved"]}
+                        if cuda else {})}
                     for name, m in self.meter.phases.items()]
+        idle = self.meter.idle
         report = {"ranks": self.rt.world_size, "rank": self.rt.rank,
                   "device": self.rt.device_type, "measure": peak["measure"],
-                  "idle_bytes": self.meter.idle["rss"], "phases": measured,
+                  "idle_bytes": idle["allocated"] if cuda else idle["rss"],
+                  **({"idle_reserved_bytes": idle["reserved"], "peak_reserved_bytes":
+                      max(r["reserved_bytes"] for r in measured)} if cuda else {}),
+                  "phases": measured,
                   "peak_bytes": peak["peak_above_idle"], "peak_phase": peak["peak_phase"],
                   "checkpoint": self.checkpoint, "first_step": self.first_step + 1,
                   "command_to_first_step_s": self.to_first_step_s}
@@ -194,17 +202,23 @@ def format_table(r: Dict[str, Any]) -> str:
     def size(b: Optional[float]) -> str:
         return f"{'-':>9}" if b is None else f"{b / gib:9.3f}"
 
+    cuda = "peak_reserved_bytes" in r  # a CUDA rank: the allocator's reserve beside the peak
+    measure = (f"{r['measure']} above idle; reserved = torch.cuda.max_memory_reserved above "
+               f"idle" if cuda else r["measure"])
     lines = [f"simulated rank {r['rank']} of {r['ranks']} on {r['device']} "
-             f"(peak = {r['measure']}, GiB):",
-             f"  {'phase':<18} {'peak':>9} {'planned':>9} {'ratio':>6} {'seconds':>9}"]
+             f"(peak = {measure}, GiB):",
+             f"  {'phase':<18} {'peak':>9} {'planned':>9} {'ratio':>6} {'seconds':>9}"
+             + (f" {'reserved':>9}" if cuda else "")]
     for row in r["phases"]:
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:6.2f}"
         lines.append(f"  {row['phase']:<18} {size(row['peak_bytes'])} "
-                     f"{size(row['planned_bytes'])} {ratio:>6} {row['seconds']:9.2f}")
+                     f"{size(row['planned_bytes'])} {ratio:>6} {row['seconds']:9.2f}"
+                     + (f" {size(row.get('reserved_bytes'))}" if cuda else ""))
     planned = r["planned_peak_bytes"]
     ratio = f"{r['peak_bytes'] / planned:6.2f}" if planned else "-"
     lines.append(f"  {'peak (' + r['peak_phase'] + ')':<18} {size(r['peak_bytes'])} "
-                 f"{size(planned)} {ratio:>6}")
+                 f"{size(planned)} {ratio:>6}"
+                 + (f" {'':9} {size(r['peak_reserved_bytes'])}" if cuda else ""))
     if r["planner_error"]:
         lines.append(f"  the planner has no figure: {r['planner_error']}")
     c = r["checkpoint"]

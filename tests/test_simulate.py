@@ -229,3 +229,39 @@ def test_the_deepspeed_launcher_refuses_the_option(tmp_path):
     assert "exits with return code = 2" in text or "exit code 2" in text or proc.returncode == 2, \
         text[-3000:]
     assert not out.exists()
+
+
+def test_a_cuda_ranks_table_shows_the_allocators_reserve():
+    """On CUDA the peak is max_memory_allocated above idle and the reserve (what the device must
+    hold, max_memory_reserved above idle) is printed beside it; a CPU report has no such column."""
+    from llama_train.simulation import format_table
+
+    gib = 2 ** 30
+    row = {"phase": "step1 backward", "peak_bytes": 3 * gib, "planned_bytes": 3 * gib,
+           "ratio": 1.0, "seconds": 0.5}
+    cuda = {"rank": 0, "ranks": 64, "device": "cuda", "measure": "torch.cuda.max_memory_allocated",
+            "phases": [{**row, "reserved_bytes": 4 * gib}], "peak_bytes": 3 * gib,
+            "peak_phase": "step1 backward", "planned_peak_bytes": 3 * gib,
+            "peak_reserved_bytes": 4 * gib, "planner_error": None, "checkpoint": None,
+            "command_to_first_step_s": None}
+    table = format_table(cuda).splitlines()
+    assert "max_memory_reserved" in table[0] and table[1].split()[-1] == "reserved"
+    assert table[2].split()[-1] == "4.000" and table[3].split()[-1] == "4.000"
+    cpu = {**cuda, "device": "cpu", "measure": "VmHWM - idle VmRSS", "phases": [row]}
+    del cpu["peak_reserved_bytes"]
+    assert "reserved" not in format_table(cpu)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_simulated_rank_runs_on_a_gpu(tmp_path):
+    """The first GPU run died in zero.Init's first all-gather on CUDA; a 64-rank ZeRO-3 bf16
+    rank trains there and reports CUDA's allocator figures."""
+    out = tmp_path / "out"
+    result = train(cfg_for(out, *SIM, "deepspeed.zero_stage=3", "deepspeed.precision=bf16",
+                           "trainer.device=cuda", "comm.simulate_ranks=64"))
+    assert result["step"] == 4
+    report = json.loads((out / "run_info.json").read_text())["simulation"]
+    assert report["device"] == "cuda" and report["measure"] == "torch.cuda.max_memory_allocated"
+    assert report["peak_reserved_bytes"] >= report["peak_bytes"] > 0

@@ -15,6 +15,15 @@ every peer held exactly what this rank holds:
 The values that would come from other ranks are therefore this rank's own: a simulated run's
 loss is not the job's and must never be reported as such (the trainer says so). The point is
 what the rank allocates, how long its phases take and that its code path runs.
+
+Why a ``ProcessGroup`` subclass and not a ``Backend``: torch's C++ ``Backend`` has no Python
+constructor, so a Python backend can only be a ``ProcessGroup`` whose methods torch calls
+directly. A method it does not define falls through to the C++ ``ProcessGroup``, which looks up
+a per-device backend this group does not have: "No backend type associated with device type
+cuda" (the first GPU run, torch 2.11: ``all_gather_into_tensor`` calls ``_allgather_base``, a
+name torch 2.13 renamed ``all_gather_single``). So every name torch 2.4-2.13 calls, on either
+device, is defined here (:data:`ENTRY_POINTS`), and the tensors' device never matters: the
+copies run wherever the tensors are.
 """
 
 from __future__ import annotations
@@ -127,8 +136,54 @@ class MirrorGroup(dist.ProcessGroup):
         output.copy_(input)
         return _done(output)
 
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        return self.allgather(output_lists, inputs, opts)
+
+    def reduce(self, tensors, opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        for t in tensors:  # every rank gets the root's result: the same tensor either way
+            _reduce_(t, op, self._size)
+        return _done(tensors)
+
+    # torch 2.4-2.12 call these under their older names (2.13 still accepts them)
+    _allgather_base = all_gather_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    alltoall_base = all_to_all_single
+
+    # -- coalescing (``_coalescing_manager(group, device=...)``, which DeepSpeed enters with the
+    # tensors' device): each collective inside completes at once, so there is nothing to batch
+    def _start_coalescing(self, device=None) -> None:
+        pass
+
+    def _end_coalescing(self, device=None):
+        return _done()
+
+    start_coalescing, end_coalescing = _start_coalescing, _end_coalescing  # torch 2.13's C++ side
+
     def __repr__(self) -> str:
         return f"MirrorGroup(rank={self._rank}, size={self._size})"
+
+
+# What torch 2.4-2.13 call on a Python process group, by the API that calls it: each must be
+# MirrorGroup's own (tests/test_comm_mirror.py), or the C++ fallback looks for a backend.
+ENTRY_POINTS = {
+    "all_reduce": ("allreduce",), "all_reduce_coalesced": ("allreduce_coalesced",),
+    "all_gather": ("allgather",), "all_gather_coalesced": ("allgather_coalesced",),
+    "all_gather_into_tensor": ("all_gather_single", "_allgather_base"),
+    "all_gather_into_tensor, coalesced": ("all_gather_single_coalesced",
+                                          "allgather_into_tensor_coalesced"),
+    "reduce_scatter": ("reduce_scatter",),
+    "reduce_scatter_tensor": ("reduce_scatter_single", "_reduce_scatter_base"),
+    "reduce_scatter_tensor, coalesced": ("reduce_scatter_single_coalesced",
+                                         "reduce_scatter_tensor_coalesced"),
+    "all_to_all": ("alltoall",), "all_to_all_single": ("all_to_all_single", "alltoall_base"),
+    "broadcast": ("broadcast",), "reduce": ("reduce",), "barrier": ("barrier",),
+    "gather": ("gather",), "scatter": ("scatter",),
+    "_coalescing_manager": ("_start_coalescing", "_end_coalescing", "start_coalescing",
+                            "end_coalescing"),
+}
 
 
 def _create(store, rank: int, size: int, timeout):
