@@ -146,15 +146,23 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, dict]:
     return theta, out
 
 
+# (hidden_size, intermediate_size) -> Meta's params.json (multiple_of, ffn_dim_multiplier) where the
+# search below finds another recipe of the same size first: Llama 3.2 1B (x1.5 with 256, not x1.3
+# with 4096) and 3B (x1.0 with 256, not the plain rule)
+_META_FFN = {(2048, 8192): (256, 1.5), (3072, 8192): (256, 1.0)}
+
+
 def _ffn_settings(dim: int, intermediate: int) -> tuple[int, Optional[float]]:
     """(multiple_of, ffn_dim_multiplier) for which ``ModelArgs.ffn_hidden_dim == intermediate``.
 
-    Prefers Meta's published recipes (plain rule with multiple_of 256 ..., x1.3 with 4096/1024, or
-    x1.2 with 4096 as in Llama 3.1 405B)
+    Prefers Meta's published recipes (``_META_FFN`` for Llama 3.2, then the plain rule with
+    multiple_of 256 ..., x1.3 with 4096/1024, or x1.2 with 4096 as in Llama 3.1 405B)
     so LLaMA checkpoints come back with their params.json values; otherwise falls back to
     ``multiple_of = intermediate`` (with a multiplier < 1 when intermediate is below the plain
     rule's 8/3 * dim), which rounds to ``intermediate`` exactly by construction.
     """
+    if (dim, intermediate) in _META_FFN:
+        return _META_FFN[dim, intermediate]
     candidates = [(m, None) for m in (256, 128, 64, 32, 16, 8, 4, 2, 1)]
     candidates += [(m, x) for x in (1.3, 1.2) for m in (4096, 1024, 2048, 512, 256)]
     for mult_of, mult in candidates:

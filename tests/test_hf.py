@@ -133,6 +133,85 @@ def test_rope_scaling_logits_match_hf_beyond_the_original_context(kind, tmp_path
         torch.testing.assert_close(again(x), m(x), atol=1e-5, rtol=0)
 
 
+# Hugging Face's config.json of meta-llama/Llama-3.2-1B and -3B as published (written out here: nothing
+# comes from the hub); the two differ only in these shape keys
+_HF_LLAMA3_2 = {
+    "llama3_2_1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "head_dim": 64},
+    "llama3_2_3b": {"hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24, "head_dim": 128},
+}
+_HF_LLAMA3_2_COMMON = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "initializer_range": 0.02,
+    "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_HF_LLAMA3_2))
+def test_llama3_2_presets_match_the_published_hf_models(name):
+    args = load_preset(name)
+    # Meta's HF config imports as the preset, params.json recipe (multiple_of, multiplier) included
+    assert from_hf_config({**_HF_LLAMA3_2_COMMON, **_HF_LLAMA3_2[name]}) == args
+    cfg = to_hf_config(args)
+    assert cfg["tie_word_embeddings"] is True
+    assert cfg["rope_scaling"] == _HF_LLAMA3_2_COMMON["rope_scaling"]
+    assert cfg["rope_parameters"] == {**cfg["rope_scaling"], "rope_theta": 500000.0}
+    # full size on the meta device: our export has exactly HF's keys and shapes, lm_head aside
+    # (tied: HF's is the embedding, and its checkpoints omit it), and HF counts what we count
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+        m = Transformer(args)
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    assert hf.num_parameters() == sum(p.numel() for p in m.parameters())
+    hf_sd, sd = hf.state_dict(), to_hf_state_dict(m.state_dict(), args)
+    assert set(hf_sd) - set(sd) == {"lm_head.weight"}
+    assert all(sd[k].shape == hf_sd[k].shape for k in sd)
+
+
+@pytest.mark.parametrize("name", sorted(_HF_LLAMA3_2))
+def test_llama3_2_shrunk_logits_match_hf_and_round_trip(name, tmp_path):
+    # the preset at test size: its tied head, theta, query/kv-head ratio and llama3 RoPE factors
+    # (32, low 1, high 4) kept; width, depth, vocab and context cut. head_dim 16 at theta 500000
+    # with an original context of 64: one pair kept, one blended, six divided by 32; 256 tokens
+    # reach 4x past the original context
+    full = load_preset(name)
+    n_heads, kv = full.n_heads // 4, full.kv_heads // 4
+    args = replace(full, dim=16 * n_heads, n_layers=2, n_heads=n_heads, n_kv_heads=kv,
+                   vocab_size=400, multiple_of=32, max_seq_len=256,
+                   rope_scaling=replace(full.rope_scaling, original_max_position_embeddings=64))
+    assert args.tie_embeddings and args.rope_scaling.factor == 32.0
+    m = ours(args)
+    hf = hf_model(args)
+    hf.load_state_dict(to_hf_state_dict(m.state_dict(), args), strict=False)  # lm_head: tied
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    x = torch.randint(0, args.vocab_size, (2, 256), generator=torch.Generator().manual_seed(0))
+    plain = ours(replace(args, rope_scaling=RopeScaling()))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, m(x), atol=1e-4, rtol=0)
+        # the scaling is live: unscaled RoPE gives other logits from the same weights
+        assert (plain(x) - m(x)).abs().max() > 1e-2
+    # HF -> ours on the same model
+    back = Transformer(args).eval()
+    back.load_state_dict(from_hf_state_dict(hf.state_dict(), args), strict=True)
+    assert back.output.weight is back.tok_embeddings.weight
+    # llama-export then llama-import: tied and scaled as before, the same function
+    out = export_hf(args, m.state_dict(), tmp_path / "hf")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True and cfg["rope_scaling"]["factor"] == 32.0
+    back_args, back_sd = import_hf(out)
+    assert back_args.shape_differences(args) == [] and back_args.rope_scaling == args.rope_scaling
+    assert replace(back_args, multiple_of=32, ffn_dim_multiplier=args.ffn_dim_multiplier) == args
+    again = Transformer(back_args).eval()
+    again.load_state_dict(back_sd, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), m(x), atol=1e-5, rtol=0)
+        torch.testing.assert_close(again(x), m(x), atol=1e-5, rtol=0)
+
+
 def test_state_dict_conversion_is_an_exact_inverse():
     m = ours(ARGS)
     sd = m.state_dict()
@@ -148,7 +227,7 @@ def test_state_dict_conversion_is_an_exact_inverse():
 
 def test_config_round_trip_recovers_published_ffn_settings():
     for name in ("llama1_7b", "llama1_33b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b",
-                 "llama3_1_8b", "llama3_1_70b", "llama3_1_405b"):
+                 "llama3_1_8b", "llama3_1_70b", "llama3_1_405b", "llama3_2_1b", "llama3_2_3b"):
         args = load_preset(name)
         assert from_hf_config(to_hf_config(args)) == args, name
     for dim, inter in [(64, 100), (64, 5), (128, 384), (4096, 11008), (96, 4096)]:

@@ -26,7 +26,8 @@ from llama_train.model import (
 from llama_train.paths import CONFIG_DIR
 
 PUBLISHED = ["llama1_7b", "llama1_13b", "llama1_33b", "llama1_65b", "llama2_7b", "llama2_13b",
-             "llama2_70b", "llama3_8b", "llama3_70b", "llama3_1_8b", "llama3_1_70b", "llama3_1_405b"]
+             "llama2_70b", "llama3_8b", "llama3_70b", "llama3_1_8b", "llama3_1_70b", "llama3_1_405b",
+             "llama3_2_1b", "llama3_2_3b"]
 
 
 def small_args(**kw) -> ModelArgs:
@@ -67,7 +68,7 @@ def test_rmsnorm_matches_formula():
 @pytest.mark.parametrize("name,hidden", [
     ("llama1_7b", 11008), ("llama1_13b", 13824), ("llama1_33b", 17920), ("llama1_65b", 22016),
     ("llama2_7b", 11008), ("llama2_13b", 13824), ("llama2_70b", 28672),
-    ("llama3_8b", 14336), ("llama3_70b", 28672),
+    ("llama3_8b", 14336), ("llama3_70b", 28672), ("llama3_2_1b", 8192), ("llama3_2_3b", 8192),
 ])
 def test_ffn_hidden_dim_of_published_models(name, hidden):
     assert load_preset(name).ffn_hidden_dim == hidden
@@ -78,7 +79,9 @@ def test_published_shapes_and_param_counts():
     want = {"llama2_7b": 6_738_415_616, "llama2_13b": 13_015_864_320, "llama2_70b": 68_976_648_192,
             "llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496,
             "llama3_1_8b": 8_030_261_248, "llama3_1_70b": 70_553_706_496,
-            "llama3_1_405b": 405_853_388_800}
+            "llama3_1_405b": 405_853_388_800,
+            # Llama-3.2-1B/3B (tie_word_embeddings: true): the shared matrix counted once
+            "llama3_2_1b": 1_235_814_400, "llama3_2_3b": 3_212_749_824}
     for name, total in want.items():
         assert count_params(load_preset(name))["total"] == total, name
     l3 = load_preset("llama3_8b")
@@ -93,6 +96,22 @@ def test_published_shapes_and_param_counts():
         assert (a.max_seq_len, a.rope_theta, a.kv_heads) == (131072, 500000.0, 8), name
     assert load_preset("llama3_1_405b").ffn_hidden_dim == 53248
     assert load_preset("llama3_8b").rope_scaling.type == "default"
+
+
+def test_llama3_2_presets_are_tied_and_scale_rope_32x():
+    # Meta's params.json for Llama 3.2 1B/3B: use_scaled_rope with factor 32 (3.1: 8), and the
+    # output head is the embedding matrix
+    for name in ("llama3_2_1b", "llama3_2_3b"):
+        a = load_preset(name)
+        assert a.tie_embeddings, name
+        rs = a.rope_scaling
+        assert (rs.type, rs.factor, rs.low_freq_factor, rs.high_freq_factor,
+                rs.original_max_position_embeddings) == ("llama3", 32.0, 1.0, 4.0, 8192), name
+        assert (a.max_seq_len, a.rope_theta, a.kv_heads, a.vocab_size) == (131072, 500000.0, 8, 128256), name
+        # untied, the same shapes would add one more vocab x dim matrix
+        untied = count_params(replace(a, tie_embeddings=False))["total"]
+        assert untied - count_params(a)["total"] == a.vocab_size * a.dim, name
+    assert (load_preset("llama3_2_1b").head_dim, load_preset("llama3_2_3b").head_dim) == (64, 128)
 
 
 def _meta_apply_scaling(freqs: list, factor: float, low: float, high: float, old: int) -> list:
@@ -459,7 +478,9 @@ def test_every_yaml_lists_exactly_the_model_args_fields():
         cfg = OmegaConf.load(f)
         assert set(cfg.keys()) == want, f.name
         args = ModelArgs.from_dict(cfg)
-        assert not args.tie_embeddings and not args.activation_checkpointing and args.init_std == 0.02
+        # only Llama 3.2 (1B, 3B) shares its output head with the embedding, as Meta released it
+        assert args.tie_embeddings == f.stem.startswith("llama3_2_"), f.name
+        assert not args.activation_checkpointing and args.init_std == 0.02
         assert f.read_text().startswith("#"), f"{f.name} needs a source comment"
 
 
