@@ -24,19 +24,21 @@ class PeakFlops:
     start and never changed, so MFU moves only with throughput: `trainer.peak_flops` when given,
     else the datasheet dense bf16 figure of a known GPU, else a matmul timed once at start-up
     (measured once per machine, thread count and dtype, then read from the cache: see
-    :func:`cached_matmul_flops`). ``source`` says which."""
+    :func:`cached_matmul_flops`). ``source`` says which, in words; ``kind`` says which as one
+    of ``"override"``, ``"datasheet"``, ``"measured"`` (for reports that label it)."""
 
     def __init__(self, device: torch.device, precision: str, world_size: int,
                  override: Optional[float] = None):
         sheet = _datasheet_flops(device)
         if override is not None:
-            per_device, self.source = override, "trainer.peak_flops"
+            per_device, self.source, self.kind = override, "trainer.peak_flops", "override"
         elif sheet is not None:
-            per_device = sheet
+            per_device, self.kind = sheet, "datasheet"
             self.source = f"datasheet bf16 dense, {torch.cuda.get_device_name(device)}"
         else:
             dtype = torch.float32 if precision == "fp32" else torch.bfloat16
             per_device, self.source = cached_matmul_flops(device, dtype)
+            self.kind = "measured"
         self.value = per_device * world_size
 
     def mfu(self, achieved: float) -> float:

@@ -24,8 +24,109 @@ def test_train_bench_rejects_bad_options(capsys):
         train_bench.parse_args(["--rounds", "0"])
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         train_bench.parse_args(["--override", "data.num_workers"])
+    for bad in ("0", "nan", "inf"):
+        with pytest.raises(SystemExit, match="--peak-flops"):
+            train_bench.parse_args(["--peak-flops", bad])
     with pytest.raises(SystemExit, match="--stages"):
         mem_bench.parse_args(["--stages", "4"])
+
+
+# ---- MFU's peak: llama-train's own (llama_train.flops.PeakFlops), never a matmul timed here ------
+
+
+def _fake_run(step_s: float, logged_peak=None) -> dict:
+    """One side's round as read_ours/read_hf return it."""
+    return {"step_times": [step_s] * 3, "warmup_step_times": [3.0], "data_wait": [1e-4] * 3,
+            "losses": [9.4] * 4, "mem_gb": 1.0, "wall_s": 5.0, "logged_peak_flops": logged_peak}
+
+
+def _offline_bench(monkeypatch, *argv, logged_peak=None):
+    """run_bench on the tiny preset with its runs, loader and model-shape timing faked: what
+    is left is how it decides the peak and builds the report. Returns (report, ours' overrides)."""
+    import torch
+
+    seen = {}
+
+    def run_round(args, overrides, spec, work, r, env):
+        seen["overrides"] = overrides
+        return {"ours": _fake_run(0.02, logged_peak),
+                "hf": dict(_fake_run(0.04), optimizer="AdamW")}
+
+    monkeypatch.setattr(train_bench, "run_round", run_round)
+    monkeypatch.setattr(train_bench, "measure_loader", lambda *a: {"workers=0": 1e-4})
+    monkeypatch.setattr(train_bench, "model_shapes_flops", lambda *a: 5e10)
+    threads = torch.get_num_threads()
+    try:  # the bench's thread count is the session's: the cached peak is per thread count
+        args = train_bench.parse_args(
+            ["--preset", "tiny", "--seq-len", "64", "--micro-batch", "2", "--steps", "3",
+             "--warmup", "1", "--rounds", "1", "--device", "cpu", "--threads", str(threads),
+             "--override", "data.max_documents=600", "--override", "data.num_proc=1",
+             "--override", "data.num_workers=0", *argv])
+        return train_bench.run_bench(args), seen["overrides"]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_train_bench_mfu_uses_the_datasheet_peak_on_an_h200(monkeypatch):
+    """On an H200 the bench timed a square 1024^3 matmul (43.7 TFLOP/s, first-call overhead)
+    and printed MFU 1176%; llama-train divides by the datasheet's 989 TFLOP/s, and so must the
+    bench, saying so. The device is faked: a CUDA device whose name is an H200's."""
+    import argparse
+
+    import torch
+
+    from llama_train.bench.report import build_report, format_table
+    from llama_train.model import load_preset
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    peak = peaks.mfu_peak("cuda", "bf16", torch.get_num_threads())
+    assert (peak.value, peak.kind) == (989e12, "datasheet") and "H200" in peak.source
+    args = argparse.Namespace(preset="x", micro_batch=16, seq_len=2048, precision="bf16",
+                              zero_stage=0, compile=False, steps=3, warmup=1, rounds=1,
+                              interleave="step", override=[], threads=16, peak_flops=None)
+    fpt = 6.74e9
+    r = build_report(args, "llama-bench train", "cuda", "bf16", load_preset("tiny"), fpt, peak,
+                     [7.346e14], [_fake_run(0.4299)], [], {"workers=0": 1e-4}, 0,
+                     [(0.0, 0.0, 0.0)] * 2)
+    assert r["peak_flops"]["value"] == 989e12 and r["peak_flops"]["kind"] == "datasheet"
+    tps = 16 * 2048 / 0.4299
+    assert r["ours"]["mfu"] == pytest.approx(fpt * tps / 989e12)  # 51.9%, not 1176%
+    assert r["ours"]["mfu_vs_model_shapes"] == pytest.approx(fpt * tps / 7.346e14)
+    table = format_table(r)
+    assert "MFU peak 989000.0 GFLOP/s (llama-train's; datasheet: datasheet bf16 dense, " \
+           "NVIDIA H200)" in table and "model-shape matmuls 734600.0 GFLOP/s" in table
+    assert " 51.9% " in table and "above 100%" not in table
+    json.dumps(r)  # --json writes it
+
+
+def test_train_bench_peak_flops_option_is_used_as_given(monkeypatch):
+    """--peak-flops is trainer.peak_flops: the bench's MFU and ours' own log divide by it."""
+    r, overrides = _offline_bench(monkeypatch, "--peak-flops", "2e9", logged_peak=3e9)
+    assert (r["peak_flops"]["value"], r["peak_flops"]["kind"]) == (2e9, "override")
+    assert "trainer.peak_flops=2000000000.0" in overrides  # ours gets it too
+    assert r["ours"]["mfu"] == pytest.approx(r["flops_per_token"] * 128 / 0.02 / 2e9)
+    assert "--peak-flops 2000000000.0" in r["command"]
+    table = train_bench.format_table(r)
+    assert "MFU peak 2.0 GFLOP/s (llama-train's; override: trainer.peak_flops)" in table
+    # ours' run_info.json said another figure: the table says its logged mfu differs
+    assert "llama-train's own log (run_info.json) used a peak of 3e+09" in table
+
+
+def test_train_bench_peak_on_cpu_is_llama_trains_cached_measurement(monkeypatch):
+    """With neither option nor a known GPU, the peak is the one llama-train logs on this
+    machine: the matmul measured once and cached per thread count (not re-timed per round)."""
+    import torch
+
+    from llama_train import flops
+
+    r, overrides = _offline_bench(monkeypatch)
+    assert not any(o.startswith("trainer.peak_flops") for o in overrides)
+    want = flops.PeakFlops(torch.device("cpu"), "fp32", 1)
+    assert r["peak_flops"]["value"] == want.value and r["peak_flops"]["kind"] == "measured"
+    assert r["peak_flops"]["source"] == want.source and "cached in" in want.source
+    assert r["ours"]["mfu"] == pytest.approx(r["flops_per_token"] * 128 / 0.02 / want.value)
+    assert r["peak_flops"]["model_shapes"] == 5e10
+    assert "note:" not in train_bench.format_table(r)
 
 
 def test_model_matmul_mix_covers_every_matmul_weight():

@@ -193,8 +193,9 @@ def _train_bench(w: Path, out: str) -> None:
     s = r["settings"]
     assert (s["rounds"], s["steps"], s["tokens_per_step"], s["precision"]) == (2, 3, 128, "fp32")
     fpt = r["flops_per_token"]
-    assert fpt > 0 and len(r["peak_flops"]["square_1024_per_round"]) == 2
-    peak = r["peak_flops"]["square_1024"]
+    assert fpt > 0 and len(r["peak_flops"]["model_shapes_per_round"]) == 2
+    peak = r["peak_flops"]["value"]  # llama-train's own: the run logged MFU against it too
+    assert r["peak_flops"]["kind"] == "measured" and r["ours"]["logged_peak_flops"] == [peak]
     for side in ("ours", "hf"):
         x = r[side]
         st = x["step_time_s"]

@@ -1,11 +1,12 @@
-"""Matmul peaks for ``llama-bench train``'s MFU: the square 1024^3 matmul llama-train uses, and the
-throughput of the model's own matmul shapes (forward and both backward products), because skinny
-shapes such as 2048 x 384 x 1024 run below the square peak."""
+"""Peaks for ``llama-bench train``'s MFU: the peak llama-train itself divides by
+(:class:`llama_train.flops.PeakFlops`, one definition for both), and the throughput of the model's
+own matmul shapes (forward and both backward products), reported beside it because skinny shapes
+such as 2048 x 384 x 1024 run below a square matmul's peak."""
 
 from __future__ import annotations
 
 import time
-from typing import List
+from typing import List, Optional
 
 
 def linear_shapes(model_args) -> List[tuple]:
@@ -44,14 +45,25 @@ def model_matmul_flops(model_args, tokens: int, device, dtype, repeats: int = 3)
     return total_flops / total_time
 
 
-def measure_peaks(model_args, tokens: int, device_name: str, precision: str, threads: int) -> dict:
-    """Both peaks on ``threads`` threads: ``square_1024`` (what MFU uses) and ``model_shapes``."""
+def mfu_peak(device_name: str, precision: str, threads: int, override: Optional[float] = None):
+    """The :class:`~llama_train.flops.PeakFlops` a one-process ``llama-train`` run with these
+    settings divides by (override = ``trainer.peak_flops``), on ``threads`` threads: the
+    cached CPU measurement is per thread count, and the `ours` side runs on ``threads``. A square
+    matmul timed here instead read 43.7 TFLOP/s on an H200 (first-call overhead) against its
+    989 datasheet figure: MFU 1176%."""
     import torch
 
-    from llama_train.engine import measure_matmul_flops
+    from llama_train.flops import PeakFlops
 
     torch.set_num_threads(threads)
-    device = torch.device(device_name)
+    return PeakFlops(torch.device(device_name), precision, 1, override)
+
+
+def model_shapes_flops(model_args, tokens: int, device_name: str, precision: str,
+                       threads: int) -> float:
+    """The model-shape matmul throughput on ``threads`` threads (measured before each round)."""
+    import torch
+
+    torch.set_num_threads(threads)
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    return {"square_1024": measure_matmul_flops(device, dtype, repeats=20),
-            "model_shapes": model_matmul_flops(model_args, tokens, device, dtype, repeats=5)}
+    return model_matmul_flops(model_args, tokens, torch.device(device_name), dtype, repeats=5)

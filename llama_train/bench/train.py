@@ -18,11 +18,15 @@ sides alike; ``--interleave run`` runs one whole run after the other instead (A 
   same batches: the step-1 losses of both must agree), same dtype and thread count.
 
 Both report the median of per-step times after ``--warmup`` discarded steps. MFU uses one FLOPs
-formula (``llama_train.model.flops_per_token``) and one matmul peak measured here before each
-round, the way ``llama-train`` measures it (best of a square 1024^3 matmul; the max over rounds is
-used, a low reading under load would inflate MFU); the achieved throughput of the
-model's own matmul shapes (forward and both backward products) is reported beside it, because
-skinny shapes such as 2048 x 384 x 1024 run below the square peak (``llama_train.bench.peaks``).
+formula (``llama_train.model.flops_per_token``) and the peak ``llama-train`` itself divides by,
+from the same class (``llama_train.flops.PeakFlops``, decided once before the first round):
+``--peak-flops`` (``trainer.peak_flops``) when given, else the datasheet dense bf16 figure of a
+known GPU, else this machine's matmul measured once and cached per thread count; the report
+says which. A square matmul timed here before each round read 43.7 TFLOP/s on an H200 (its
+first call's overhead) against the 989 of the datasheet: MFU 1176%. The achieved throughput of
+the model's own matmul shapes (forward and both backward products), measured before each round
+(max over rounds), is reported beside it as ``MFU/shapes``, because skinny shapes such as
+2048 x 384 x 1024 run below a square matmul's peak (``llama_train.bench.peaks``).
 The report and its table: ``llama_train.bench.report``; ``--profile``: ``llama_train.bench.profile``.
 """
 
@@ -43,13 +47,13 @@ from typing import Dict, List, Optional, Sequence
 from llama_train.bench import report_or_exit
 from llama_train.bench.hf_baseline import RESULT_FILE, run_hf
 from llama_train.bench.lockstep import Side, run_ours
-from llama_train.bench.peaks import measure_peaks
+from llama_train.bench.peaks import mfu_peak, model_shapes_flops
 from llama_train.bench.profile import profile
 from llama_train.bench.report import build_report, format_table
 from llama_train.bench.settings import (compose_config, resolve_device, resolve_precision,
                                         train_overrides)
 from llama_train.proc import free_port, remove_ds_shm
-from llama_train.records import METRICS_FILE, read_metrics, step_records
+from llama_train.records import METRICS_FILE, RUN_INFO_FILE, RunInfo, read_metrics, step_records
 
 
 # --------------------------------------------------------------------------------------------
@@ -74,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                    help="auto: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
+    p.add_argument("--peak-flops", type=float, default=None, metavar="FLOP/S",
+                   help="per-device peak for MFU, as trainer.peak_flops (passed to ours too); "
+                        "default: llama-train's, i.e. the datasheet bf16 figure of a known GPU, "
+                        "else this machine's cached matmul measurement")
     p.add_argument("--compile", action="store_true",
                    help="trainer.compile=true for ours and torch.compile of each HF decoder layer")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
@@ -103,6 +111,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "must be >= 1")
     if args.warmup < 0:
         raise SystemExit(f"llama-bench train: --warmup={args.warmup} must be >= 0")
+    if args.peak_flops is not None and not 0 < args.peak_flops < float("inf"):
+        raise SystemExit(f"llama-bench train: --peak-flops={args.peak_flops} must be a FLOP/s "
+                         "figure > 0")
     if args.threads is not None and args.threads < 1:
         raise SystemExit(f"llama-bench train: --threads={args.threads} must be >= 1")
     for ov in args.override:
@@ -119,6 +130,8 @@ def canonical_args(args: argparse.Namespace) -> List[str]:
            str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--rounds", str(args.rounds), "--threads", str(args.threads), "--device", args.device,
            "--precision", args.precision, "--zero-stage", str(args.zero_stage)]
+    if args.peak_flops is not None:
+        out += ["--peak-flops", repr(args.peak_flops)]
     if args.compile:
         out.append("--compile")
     out += ["--interleave", args.interleave]
@@ -173,7 +186,12 @@ def read_ours(args, out: Path, wall: float) -> dict:
         raise RuntimeError(f"{out}/metrics.jsonl: logged steps lack data_wait_s (the bench needs "
                            "llama-train's per-step data wait)")
     measured = range(args.warmup + 1, total + 1)
+    try:  # the peak its own logged mfu used: the report checks it is the bench's
+        logged_peak = (RunInfo.read(out / RUN_INFO_FILE).peak_flops or {}).get("value")
+    except (OSError, ValueError, TypeError, AttributeError):
+        logged_peak = None
     return {
+        "logged_peak_flops": logged_peak,
         "step_times": [by_step[s]["step_time_s"] for s in measured],
         "warmup_step_times": [by_step[s]["step_time_s"] for s in range(1, args.warmup + 1)],
         "data_wait": [by_step[s]["data_wait_s"] for s in measured],
@@ -260,8 +278,8 @@ def measure_loader(prepared_dir: str, seq_len: int, micro_batch: int, seed: int,
 
 
 def run_bench(args: argparse.Namespace) -> dict:
-    """Checks and prepares as llama-train would, then ``--rounds`` rounds (peaks, both sides),
-    the loader alone, and the report."""
+    """Checks and prepares as llama-train would, decides the MFU peak as llama-train would, then
+    ``--rounds`` rounds (model-shape throughput, both sides), the loader alone, and the report."""
     import torch
 
     from llama_train.config import validate
@@ -273,6 +291,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         raise SystemExit("llama-bench train: --device cuda but torch sees no CUDA device")
     precision = resolve_precision(args, device)
     overrides = train_overrides(args, device, precision)
+    if args.peak_flops is not None:  # ours logs MFU against the same figure
+        overrides.append(f"trainer.peak_flops={args.peak_flops!r}")
     cfg = compose_config(overrides + ["trainer.output_dir=."])
     margs = cfg.model
     try:  # llama-train's own checks, before any process starts
@@ -297,11 +317,14 @@ def run_bench(args: argparse.Namespace) -> dict:
         tmp = tempfile.TemporaryDirectory(prefix="llama-bench-train-")
         work = Path(tmp.name)
     load = [os.getloadavg()]
-    peaks, ours, hf = [], [], []
+    # before any run, as llama-train at its start: on CPU its cached measurement (per thread
+    # count) is measured here if missing, with nothing else running, and `ours` reads it back
+    peak = mfu_peak(device, precision, args.threads, cfg.trainer.peak_flops)
+    shapes, ours, hf = [], [], []
     try:
         for r in range(args.rounds):
-            peaks.append(measure_peaks(margs, args.micro_batch * args.seq_len, device, precision,
-                                       args.threads))
+            shapes.append(model_shapes_flops(margs, args.micro_batch * args.seq_len, device,
+                                             precision, args.threads))
             res = run_round(args, overrides, spec, work, r, env)
             for name, runs in (("ours", ours), ("hf", hf)):
                 if name in res:
@@ -316,8 +339,8 @@ def run_bench(args: argparse.Namespace) -> dict:
             tmp.cleanup()
     load.append(os.getloadavg())
     command = "llama-bench train " + shlex.join(canonical_args(args))
-    return build_report(args, command, device, precision, margs, fpt, peaks, ours, hf, loader,
-                        cfg.data.num_workers, load)
+    return build_report(args, command, device, precision, margs, fpt, peak, shapes, ours, hf,
+                        loader, cfg.data.num_workers, load)
 
 
 def _progress(msg: str) -> None:
