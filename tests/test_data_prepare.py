@@ -210,13 +210,10 @@ def test_the_extracted_corpus_is_kept_on_disk_checked_and_never_trusted_blindly(
     path.write_bytes(json.dumps({**meta, "extractor": "0" * 16}).encode() + b"\n" + body)
     assert corpus.cached_corpus("builtin", extract) == docs and len(calls) == 5  # rules edited
 
-    # builtin_corpus() goes through it
+    # builtin_corpus() goes through it (in a new process: nothing read yet)
     monkeypatch.setattr(corpus, "extract_builtin", extract)
-    corpus._build.cache_clear()
-    try:
-        assert corpus.builtin_corpus() == list(docs) and len(calls) == 5  # read, not extracted
-    finally:
-        corpus._build.cache_clear()
+    monkeypatch.setattr(corpus, "_CORPORA", {})
+    assert corpus.builtin_corpus() == list(docs) and len(calls) == 5  # read, not extracted
 
     (tmp_path / "file").write_text("not a directory")
     monkeypatch.setenv("LLAMA_TRAIN_CACHE", str(tmp_path / "file"))
@@ -233,7 +230,7 @@ def test_the_extracted_corpus_is_kept_on_disk_checked_and_never_trusted_blindly(
 @pytest.mark.slow
 def test_stdlib_corpus_is_the_whole_standard_library_and_prepares(tmp_path):
     """data.source=stdlib: every stdlib .py file whole (tests included), ~8x builtin; its own
-    corpus id and directory name, so it never shares prepared data with builtin."""
+    corpus key and directory name, so it never shares prepared data with builtin."""
     from llama_train.data.corpus import stdlib_corpus
 
     docs = stdlib_corpus()
@@ -243,7 +240,7 @@ def test_stdlib_corpus_is_the_whole_standard_library_and_prepares(tmp_path):
     assert any(d.startswith('"""') and "def " in d for d in docs)  # code, not only prose
     prep = prepare_data(cfg(source="stdlib", max_documents=40, val_fraction=0.1), VOCAB)
     assert Path(prep.dir).name.startswith("stdlib-")
-    assert prep.meta["source"]["corpus"].startswith("stdlib-v1-")
+    assert prep.meta["source"]["corpus"].startswith("stdlib-sha256-")
     assert prep.meta["documents"]["read"] == 40
 
 
@@ -253,7 +250,7 @@ def test_prepare_builtin_source_small(tmp_path):
     assert prep.created and Path(prep.dir).parent == tmp_path / "cache"
     assert Path(prep.dir).name.startswith("builtin-")
     assert prep.meta["documents"]["read"] == 120
-    assert prep.meta["source"]["corpus"].startswith("builtin-v1-")
+    assert prep.meta["source"]["corpus"].startswith("builtin-sha256-")
     tok = Tokenizer(prep.tokenizer_path)
     exp = expected_streams(tok, builtin_corpus()[:120], 0.05)
     assert np.array_equal(split_tokens(prep.dir, "train"), exp["train"])

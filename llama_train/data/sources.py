@@ -107,7 +107,7 @@ class Source:
         """What identifies the documents: part of the fingerprint and of meta.json."""
         d: dict[str, Any] = {"kind": self.kind, "source": self.cfg.source}
         if self.kind == "builtin":
-            d["corpus"] = corpus_id(self.cfg.source)
+            d["corpus"] = corpus_id(self.cfg.source)  # its text's digest, not the Python version
         elif self.kind == "local":
             d["text_column"] = self.cfg.text_column
             d["files"] = [

@@ -288,3 +288,28 @@ def _training_error(e: RuntimeError, vocab_size: int, sentences: int,
             f"source or a smaller vocab_size. SentencePiece said: {msg}"
         )
     return DataError(f"SentencePiece training failed: {msg}")
+
+
+def pad_vocabulary(src: str | os.PathLike, dst: str | os.PathLike, size: int) -> Path:
+    """``src`` (a SentencePiece model) with unused pieces appended up to ``size`` ids, at ``dst``.
+
+    Why: a large-vocabulary shape (Llama 3's 128256) measured on a corpus too small to train a
+    tokenizer that large (``launch/gpu_check.sh``): the embedding and the logits have the real
+    width, and text encodes exactly as with ``src`` (UNUSED pieces are never produced). The same
+    ``src`` always gives the same bytes, so prepared data keyed by the tokenizer's sha256 is
+    found again wherever it is made. Written atomically; left alone if already the same."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    m = pb.ModelProto()
+    m.ParseFromString(Path(src).read_bytes())
+    if len(m.pieces) > size:
+        raise DataError(f"{src} has {len(m.pieces)} pieces, more than the {size} asked for")
+    for i in range(len(m.pieces), size):
+        p = m.pieces.add()
+        p.piece, p.score, p.type = f"<unused_{i}>", 0.0, pb.ModelProto.SentencePiece.UNUSED
+    data, dst = m.SerializeToString(), Path(dst)
+    if not (dst.is_file() and dst.read_bytes() == data):
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, dst)
+    return dst
