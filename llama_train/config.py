@@ -101,7 +101,10 @@ class TrainerConfig:
     # resuming, e.g. [optim.lr] or a whole group [optim]; docs/reliability.md.
     allow_config_change: List[str] = per_launch(factory=list)
     steps_this_run: Optional[int] = per_launch(None)  # stop (with a checkpoint) after this many steps
-    init_from: Optional[str] = per_launch(None)  # start from weights: a HF Llama dir or a llama-import .pt
+    # Start from weights: a HF Llama dir or a llama-import .pt. The data is tokenized with the
+    # tokenizer they were trained with (the dir's tokenizer.model) unless data.tokenizer names
+    # one with the same pieces; weights that carry none (a .pt) need data.tokenizer.
+    init_from: Optional[str] = per_launch(None)
     seed: int = 1337
     device: str = may_change("auto")  # auto | cpu | cuda
     compile: bool = may_change(False)  # torch.compile each transformer block

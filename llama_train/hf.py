@@ -535,6 +535,90 @@ def check_init_from(path: str, model_args) -> None:
             + ", ".join(f"{n}={ours}" for n, ours, _ in diff) + ": pick the matching model preset.")
 
 
+def init_from_tokenizer_file(path: str) -> Optional[Path]:
+    """The SentencePiece model trainer.init_from's weights were trained with, where it carries
+    one: a Hugging Face directory's ``tokenizer.model`` (llama-export copies the run's there).
+    None for a llama-import .pt (weights only) or a directory without one (``tokenizer.json``
+    alone is no SentencePiece model, nor is a tiktoken file of that name)."""
+    from llama_train.data import DataError, Tokenizer
+
+    tok = Path(path) / "tokenizer.model"
+    if not (Path(path).is_dir() and tok.is_file()):
+        return None
+    try:
+        Tokenizer(tok)
+    except DataError:
+        return None
+    return tok
+
+
+def _tokenizer_difference(ours: Path, theirs: Path) -> Optional[str]:
+    """None where two SentencePiece models tokenize alike (the same file, or the same pieces,
+    scores, normalisation and model settings: only the trainer's bookkeeping differs), else the
+    first difference, in words."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from llama_train.data.tokenizer import file_sha256
+
+    if file_sha256(ours) == file_sha256(theirs):
+        return None
+    a, b = pb.ModelProto(), pb.ModelProto()
+    a.ParseFromString(Path(ours).read_bytes())
+    b.ParseFromString(Path(theirs).read_bytes())
+    if len(a.pieces) != len(b.pieces):
+        return f"{len(a.pieces)} pieces, not {len(b.pieces)}"
+    for i, (x, y) in enumerate(zip(a.pieces, b.pieces)):
+        if x != y:
+            return (f"piece {i} is {x.piece!r}, not {y.piece!r}" if x.piece != y.piece else
+                    f"piece {i} ({x.piece!r}) has another score or type")
+    for m in (a, b):  # where the model was trained from, with how many threads: no difference
+        for name in ("model_prefix", "num_threads", "input"):
+            m.trainer_spec.ClearField(name)
+    if a.SerializeToString(deterministic=True) != b.SerializeToString(deterministic=True):
+        return "the same pieces, but other normalisation or model settings"
+    return None
+
+
+def check_init_from_tokenizer(path: str, given: Optional[str], vocab_size: int) -> str:
+    """The tokenizer a fresh start from trainer.init_from tokenizes its data with: the one its
+    weights were trained with (the directory's tokenizer.model), or ``given`` (data.tokenizer)
+    where it tokenizes alike. Training the weights on another tokenizer's ids raises no error,
+    only a first loss far above theirs (issue 53), so anything else is refused here, before the
+    data is prepared and the process group starts."""
+    from llama_train.config import ConfigError
+    from llama_train.data import Tokenizer
+
+    own = init_from_tokenizer_file(path)
+    if own is None:
+        if given is not None:
+            return given  # the user names the tokenizer the weights were trained with
+        what = ("a llama-import .pt holds weights only" if not Path(path).is_dir() else
+                "the directory has no SentencePiece tokenizer.model")
+        raise ConfigError(
+            f"trainer.init_from={path} carries no tokenizer ({what}), and no data.tokenizer is "
+            f"given: a tokenizer trained here would not be the one its weights were trained "
+            f"with. Set data.tokenizer=<the SentencePiece .model they were trained with> (a "
+            f"llama-export directory carries it as tokenizer.model: init_from that directory).")
+    if given is None:
+        n = Tokenizer(own).vocab_size
+        if n != vocab_size:
+            raise ConfigError(
+                f"trainer.init_from={path}: its tokenizer.model has {n} pieces but its weights "
+                f"have vocab_size={vocab_size}, and the data's ids must match the embedding "
+                f"exactly. Set data.tokenizer to the SentencePiece .model of {vocab_size} "
+                f"pieces the weights were trained with.")
+        return str(own)
+    Tokenizer(given)  # not a SentencePiece model: data.tokenizer's own message
+    diff = _tokenizer_difference(Path(given), own)
+    if diff:
+        raise ConfigError(
+            f"data.tokenizer={given} is not the tokenizer trainer.init_from={path} was trained "
+            f"with ({own}): {diff}. Its weights would train on another tokenizer's ids. Leave "
+            f"data.tokenizer unset (null) to tokenize the data with init_from's own "
+            f"tokenizer.model, or give it that file.")
+    return given
+
+
 # The CLIs' exit codes (docs/reliability.md): 2 the path is not a checkpoint at all (bad input),
 # 3 a checkpoint that cannot be loaded (incomplete, corrupt, foreign or tampered). Nothing in a
 # checkpoint is unpickled unrestricted, so a refused file never runs code.

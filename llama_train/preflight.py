@@ -103,6 +103,7 @@ def preflight(cfg: Config) -> Preflight:
         from llama_train.hf import check_init_from
 
         check_init_from(cfg.trainer.init_from, cfg.model)
+        cfg = _init_from_tokenizer(cfg, resuming=candidate is not None, main=rt.is_main)
     faults = FaultPlan.from_env()  # a malformed LLAMA_TRAIN_FAULTS fails here, not mid-run
     check_wandb_env(cfg.tracking)
     try:
@@ -136,6 +137,52 @@ def preflight(cfg: Config) -> Preflight:
     lock = RunLock(cfg.trainer.output_dir).acquire() if rt.is_main else None
     return Preflight(cfg, rt, cfg.model, plan, prepared, experiment, lock, faults=faults,
                      resume=resume)
+
+
+def _init_from_tokenizer(cfg: Config, resuming: bool, main: bool) -> Config:
+    """The config whose data is tokenized with the tokenizer trainer.init_from's weights were
+    trained with (data.tokenizer set to it, unless it names one that tokenizes alike): a
+    tokenizer trained afresh on this run's data gave other ids to the same pieces, and the run
+    trained on them with no error (issue 53). Data already prepared with that very tokenizer
+    (the run that trained the weights: same source, its trained tokenizer) is kept, not
+    prepared again. A resume loads its checkpoint's weights, not init_from's, and
+    resume.check_tokenizer compares the checkpoint's tokenizer with the data's: there the same
+    choice is made (the same command, the same data), but nothing is refused."""
+    from llama_train.data import DataError, find_prepared
+    from llama_train.data.tokenizer import file_sha256
+    from llama_train.hf import check_init_from_tokenizer, init_from_tokenizer_file
+
+    t, d = cfg.trainer, cfg.data
+    if resuming:
+        own = init_from_tokenizer_file(t.init_from)
+        if own is None or d.tokenizer is not None:
+            return cfg
+        tok = str(own)
+    else:
+        tok = check_init_from_tokenizer(t.init_from, d.tokenizer, cfg.model.vocab_size)
+        if d.tokenizer is not None:
+            return cfg
+    sha = file_sha256(tok)
+    try:
+        found = find_prepared(d, vocab_size=cfg.model.vocab_size)  # meta.json only
+    except DataError:  # prepared otherwise: preparing with the tokenizer says what is wrong
+        found = None
+    have = found.meta["tokenizer"].get("sha256") if found is not None else None
+    if have == sha:
+        if main:
+            log.info("trainer.init_from=%s: the data in %s is tokenized with its tokenizer "
+                     "(sha256 %s)", t.init_from, found.dir, sha[:12])
+        return cfg
+    if have is not None and d.prepared_dir and not resuming:
+        raise ConfigError(
+            f"data.prepared_dir={d.prepared_dir} holds data tokenized with tokenizer sha256 "
+            f"{have[:12]}, not the one trainer.init_from={t.init_from} was trained with ({tok}, "
+            f"sha256 {sha[:12]}): its weights would train on another tokenizer's ids. Give "
+            f"another data.prepared_dir (or null) to prepare the data with init_from's tokenizer.")
+    if main:
+        log.info("trainer.init_from=%s: tokenizing the data with its tokenizer %s (sha256 %s), "
+                 "the one its weights were trained with", t.init_from, tok, sha[:12])
+    return replace(cfg, data=replace(d, tokenizer=tok))
 
 
 def _resume_candidate(cfg: Config):
