@@ -229,6 +229,25 @@ def _sequence_parallel_bench(w: Path, out: str) -> None:
     assert 0.9 < ratio < 1.3, ratio
 
 
+def _trained_the_saved_run(w: Path, out: str) -> None:
+    """The README's rerun trained what ``make train`` saved (issue 53): its config.yaml is that
+    run's but for trainer.output_dir, its run_info.json the same model and batch, its command
+    the saved config's. It trained the package's config.yaml (dim 384, 150 steps), which
+    shadowed the run's, and still printed "run complete"."""
+    import yaml
+
+    first, rerun = (w / "outputs" / d for d in ("llama-train", "rerun"))
+    saved, used = (yaml.safe_load((d / "config.yaml").read_text()) for d in (first, rerun))
+    assert used["trainer"].pop("output_dir") == "outputs/rerun"
+    assert saved["trainer"].pop("output_dir") == "outputs/llama-train"
+    assert used == saved
+    a, b = (json.loads((d / "run_info.json").read_text()) for d in (first, rerun))
+    same = ("params", "model_args", "tokens", "global_batch", "seq_len", "max_steps", "flops")
+    assert {k: b[k] for k in same} == {k: a[k] for k in same}
+    assert b["command"].startswith("llama-train --config-dir outputs/llama-train "
+                                   "--config-name config "), b["command"]
+
+
 GPU8 = Needs("a GPU", "8 GPUs (--num_gpus 8 with NCCL)")
 
 USAGE = Needs("a template", "the usage line; the commands below fill it in")
@@ -245,7 +264,8 @@ TABLE: List[Tuple[str, object]] = [
      "data.source=/data/corpus/*.jsonl trainer.global_batch_tokens=4194304 trainer.seq_len=8192",
      Needs("a GPU", "8 GPUs and your corpus under /data/corpus")),
     ("llama-train --config-dir outputs/llama-train --config-name config "
-     "trainer.output_dir=outputs/rerun", Run("trainer.max_steps=2", expect="run complete")),
+     "trainer.output_dir=outputs/rerun", Run("trainer.max_steps=2", expect="run complete",
+                                             check=_trained_the_saved_run)),
     ("llama-train data=mixture trainer.document_mask=true",
      Run(f"{T} data.mixture.1.source=corpus/*.jsonl trainer.output_dir=outputs/mixture",
          expect="run complete")),
