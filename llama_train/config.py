@@ -179,6 +179,62 @@ class SampleConfig:
                               "(e.g. sample.prompt=The) or set sample.tokens=0 for no sample.")
 
 
+# The DeepSpeed keys engine/ds_config.py sets, each with the setting of ours that decides it:
+# ``deepspeed.extra`` may not set them (a key set twice would leave config.yaml saying one thing
+# and DeepSpeed doing another), nor anything under them, nor replace a section that holds one.
+# The defaults it states beside them (wall_clock_breakdown, fp16's loss scaling, pin_memory of
+# an offload, stage3_gather_16bit_weights_on_model_save) are DeepSpeed's to change.
+DEEPSPEED_OWNED: Dict[str, str] = {
+    "train_batch_size": "set trainer.global_batch (or trainer.global_batch_tokens) instead",
+    "train_micro_batch_size_per_gpu": "set trainer.micro_batch instead",
+    "gradient_accumulation_steps": "set trainer.global_batch instead (accumulation is the global "
+                                   "batch / (trainer.micro_batch x data-parallel ranks))",
+    "gradient_clipping": "set optim.grad_clip instead",
+    "steps_per_print": "set deepspeed.steps_per_print instead",
+    "optimizer": "set optim.lr, optim.beta1, optim.beta2, optim.eps and optim.weight_decay "
+                 "instead (the optimizer is llama_train's AdamW)",
+    "scheduler": "set optim.warmup_steps and optim.min_lr_ratio instead (llama_train sets the "
+                 "learning rate of every step; a DeepSpeed scheduler would fight it)",
+    "zero_allow_untested_optimizer": "llama_train sets it (DeepSpeed must take torch's AdamW "
+                                     "under ZeRO)",
+    "bf16.enabled": "set deepspeed.precision instead",
+    "fp16.enabled": "set deepspeed.precision instead",
+    "checkpoint.load_universal": "llama_train sets it where a resume changes the world size "
+                                 "under ZeRO",
+    "zero_optimization.stage": "set deepspeed.zero_stage instead",
+    "zero_optimization.contiguous_gradients": "set deepspeed.contiguous_gradients instead",
+    "zero_optimization.overlap_comm": "set deepspeed.overlap_comm instead",
+    **{f"zero_optimization.{k}": f"set deepspeed.{k} instead" for k in (
+        "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold", "stage3_max_reuse_distance",
+        "stage3_max_live_parameters", "sub_group_size")},
+    "zero_optimization.reduce_scatter": "llama_train keeps it true (parallel.sequence's "
+                                        "gradient averaging assumes the reduce-scatter path)",
+    "zero_optimization.offload_optimizer.device": "set deepspeed.offload_optimizer instead",
+    "zero_optimization.offload_param.device": "set deepspeed.offload_params instead",
+}
+
+
+def _check_deepspeed_extra(extra: Dict[str, Any]) -> None:
+    """Refuse a ``deepspeed.extra`` key of :data:`DEEPSPEED_OWNED`, naming it and our setting."""
+    def leaves(d: Dict[str, Any], prefix: str = ""):  # config.flatten, defined below import time
+        for k, v in d.items():
+            if isinstance(v, dict) and v:
+                yield from leaves(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    for key, value in leaves(extra):
+        for owned, fix in DEEPSPEED_OWNED.items():
+            if key == owned or key.startswith(owned + "."):
+                raise ConfigError(f"deepspeed.extra.{key}: {fix}.")
+            if owned.startswith(key + ".") and not isinstance(value, dict):
+                raise ConfigError(
+                    f"deepspeed.extra.{key}={value!r} would replace DeepSpeed's {key} section, "
+                    f"which holds {owned} ({fix}): give the keys to set under it instead, e.g. "
+                    f"deepspeed.extra.{key}.<key>=<value>.")
+
+
 @dataclass
 class DeepSpeedConfig:
     """What the engine module turns into a DeepSpeed JSON config."""
@@ -206,6 +262,13 @@ class DeepSpeedConfig:
     stage3_max_live_parameters: Optional[int] = may_change(None)  # dim^2
     sub_group_size: int = may_change(1_000_000_000)  # ZeRO-3 optimizer step granularity (DeepSpeed's default)
     steps_per_print: int = may_change(1_000_000)  # our logger prints; keep DeepSpeed's own quiet
+    # Raw DeepSpeed settings we do not model, merged last into the config above (dicts merge,
+    # anything else replaces): deepspeed.extra={comms_logger: {enabled: true}}, or
+    # deepspeed.extra.comms_logger.enabled=true. Keys we set are refused (DEEPSPEED_OWNED).
+    # May change on resume like the knobs above: a changed value is logged, never refused
+    # (what defines the run's numerics, precision, batch, optimizer, is ours and refused here;
+    # a key added or removed is not compared, as resume compares keys both configs have).
+    extra: Dict[str, Any] = may_change(factory=dict)
 
     def __post_init__(self) -> None:
         _check_choice("deepspeed.zero_stage", self.zero_stage, (0, 1, 2, 3))
@@ -229,6 +292,7 @@ class DeepSpeedConfig:
             if value is not None and value < (1 if positive else 0):
                 raise ConfigError(f"deepspeed.{name}={value} must be a positive number of "
                                   f"elements, or null to scale it with the model width.")
+        _check_deepspeed_extra(self.extra)
 
     def zero_sizes(self, dim: int) -> Dict[str, int]:
         """DeepSpeed's zero_optimization sizes for a model of width ``dim``, unset ones resolved
@@ -253,7 +317,9 @@ class DeepSpeedConfig:
 @dataclass
 class WandbConfig:
     mode: Optional[str] = None  # online | offline | disabled; None: online iff an API key is set
-    project: str = "llama_train"
+    # null: $WANDB_PROJECT, else "llama_train"; entity null: $WANDB_ENTITY, else the API key's
+    # default entity (tracking.resolve_wandb_target). Given here, the config wins.
+    project: Optional[str] = None
     entity: Optional[str] = None
     name: Optional[str] = None
     group: Optional[str] = None
@@ -377,7 +443,11 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("sci", short_number)
     cs = ConfigStore.instance()
     # The primary config extends this schema, so every group's YAML is merged onto its typed node.
-    cs.store(name="llama_train_schema", node=Config)
+    schema = OmegaConf.structured(Config)
+    # deepspeed.extra takes keys of DeepSpeed's we do not list: out of Hydra's struct mode, so
+    # deepspeed.extra.comms_logger.enabled=true needs no '+' (the flag survives composition)
+    OmegaConf.set_struct(schema.deepspeed.extra, False)
+    cs.store(name="llama_train_schema", node=schema)
 
 
 register_configs()  # on import: whoever composes configs/ (the app, tests, tools) finds the schema

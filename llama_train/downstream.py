@@ -10,7 +10,9 @@ shards merged; a Hugging Face directory; a ``llama-import`` file). It tokenizes 
 HF backend does on an export (context and continuation encoded together, then split; no BOS
 unless ``add_bos_token``), so its scores on a checkpoint equal that backend's on the export
 (tested within 1e-4). Hub tasks need their datasets (network or a local HF cache); a task over
-local JSON files (``--include-path`` with its YAML) needs nothing.
+local JSON files (``--include-path`` with its YAML) needs nothing. Progress goes to stderr: a
+line per phase (loading, lm-eval's task index, each kind of request with its count per task)
+and, while the model works, at least one every 30 s.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -35,20 +38,29 @@ def evaluate(checkpoint: str, tasks: Sequence[str], include_path: Optional[str] 
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from llama_train.lm_eval_model import LlamaTrainLM
+    from llama_train.lm_eval_model import LlamaTrainLM, say
 
+    t0 = time.perf_counter()
+    say(f"loading {checkpoint} ({device}, {dtype})")
     loaded = load(checkpoint, tokenizer, device, dtype)
     model = LlamaTrainLM(loaded, batch_size=batch_size)
+    say(f"loaded {loaded.source} in {time.perf_counter() - t0:.1f}s; indexing lm-eval's tasks")
+    t0 = time.perf_counter()
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    say(f"lm-eval knows {len(manager.all_tasks)} tasks ({time.perf_counter() - t0:.1f}s)")
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise GenerateError(f"unknown task(s) {unknown}: lm-eval knows {len(manager.all_tasks)} "
                             f"(`lm-eval ls tasks`); a task of your own: --include-path DIR with "
                             f"its YAML", EXIT_BAD_INPUT)
+    say(f"evaluating {', '.join(tasks)}: their requests are built (a hub task's dataset read "
+        f"first), then run by kind")
+    t0 = time.perf_counter()
     res = lm_eval.simple_evaluate(model=model, tasks=list(tasks), num_fewshot=num_fewshot,
                                   limit=limit, task_manager=manager, random_seed=seed,
                                   numpy_random_seed=seed, torch_random_seed=seed,
                                   fewshot_random_seed=seed, log_samples=False)
+    say(f"evaluated {len(tasks)} task(s) in {time.perf_counter() - t0:.1f}s")
     res["source"] = loaded.source
     return res
 

@@ -3,17 +3,19 @@ No process group and no data preparation.
 
 What it shows, each from the module that decides it at run time: the experiment's plan
 (scaling), the model's shape and counts, the batch arithmetic (config.validate), ZeRO, precision
-and offload (engine), one rank's peak memory from the planner (scaling.memory) against this
-machine's device, the data (sources, weights, epochs when prepared) and attention masking, FLOPs
-(and why they differ from an experiment's budget), steps and an estimated time.
+and offload (engine) and the DeepSpeed config it builds (deepspeed.extra merged), one rank's
+peak memory from the planner (scaling.memory) against this machine's device, the data
+(sources, weights, epochs when prepared) and attention masking, FLOPs (and why they differ from
+an experiment's budget), steps and an estimated time.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, List, Optional
 
 from llama_train.config import BatchPlan, Config, data_parallel_size, validate
-from llama_train.preflight import plan_experiment, setup_logging
+from llama_train.preflight import check_tokenizer_fits, plan_experiment, setup_logging
 
 GIB = 2 ** 30
 
@@ -22,13 +24,14 @@ def dry_run(cfg: Config) -> None:
     """trainer.dry_run=true: the plan this command would train, then exit. No process group and
     no data preparation (epochs only when the data is already prepared)."""
     from llama_train.data import DataError, find_prepared
-    from llama_train.engine import detect_runtime, resolve_precision
+    from llama_train.engine import build_ds_config, detect_runtime, resolve_precision
     from llama_train.model import count_params, flops_per_token
 
     rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
     setup_logging(rt.rank, rt.is_main)
     cfg, experiment = plan_experiment(cfg, data_parallel_size(cfg, rt.world_size))
     plan = validate(cfg, rt.world_size, rt.device_type)
+    check_tokenizer_fits(cfg)  # a tokenizer that cannot feed the model: refused, not planned
     if not rt.is_main:
         return
     t, m, ds = cfg.trainer, cfg.model, cfg.deepspeed
@@ -39,6 +42,7 @@ def dry_run(cfg: Config) -> None:
     except DataError as e:
         found, why = None, str(e)
     precision = resolve_precision(ds, rt.device_type)
+    ds_config = build_ds_config(ds, cfg.optim, plan, rt.device_type, model_dim=m.dim)
     seconds, how = _estimate_step_seconds(m, plan, rt, precision)
     offload = [w for w, on in (("optimizer", ds.offload_optimizer), ("parameters", ds.offload_params))
                if on]
@@ -59,6 +63,8 @@ def dry_run(cfg: Config) -> None:
            f"{rt.world_size} ranks in all"] if cfg.parallel.sequence > 1 else []),
         f"  engine: DeepSpeed ZeRO-{ds.zero_stage}, {precision} on {rt.device_type}, "
         f"{'offload of the ' + ' and '.join(offload) + ' to CPU' if offload else 'no offload'}",
+        f"  DeepSpeed config{' (deepspeed.extra merged last)' if ds.extra else ''}: "
+        f"{json.dumps(ds_config, sort_keys=True)}",
         *_memory_lines(cfg, m, plan, rt, precision),
         *_data_lines(cfg, found, why, tokens),
         f"  attention: causal"

@@ -3,14 +3,17 @@
     llama-generate outputs/llama-train --prompt "The" --max-new-tokens 64
     llama-generate out/hf_model --prompt-file prompt.txt --temperature 0      # greedy
     llama-generate ckpt.pt --tokenizer tok.model --prompt A --prompt B --top-p 0.9
+    llama-generate llama3.pt --tokenizer Meta-Llama-3-8B/tokenizer.json --prompt A
     llama-generate outputs/llama-train --interactive                        # a prompt per line
 
 What it reads: a llama_train checkpoint (a ``step_N`` directory, or an output or checkpoints
 directory: its newest complete checkpoint, ZeRO shards merged as ``llama-export`` merges them), a
 Hugging Face Llama directory (``llama-export``'s or any ``save_pretrained``), or a ``.pt`` from
 ``llama-import``. The tokenizer and whether to prepend BOS come with the checkpoint (the run's
-``data.add_bos``) or the export (``add_bos_token``); ``--tokenizer`` overrides. Each prompt's
-text and continuation go to stdout; a line with new tokens, seconds and tokens/s goes to stderr.
+``data.add_bos``) or the export (``add_bos_token``); ``--tokenizer`` overrides (a SentencePiece
+``.model``, a Hugging Face ``tokenizer.json`` or a directory holding one: data.Tokenizer). Each
+prompt's text and continuation go to stdout; a line with new tokens, seconds and tokens/s goes to
+stderr.
 """
 
 from __future__ import annotations
@@ -62,12 +65,14 @@ def _read_weights(path: Path, tokenizer: Optional[str]):
             args, sd = import_hf(path)
         except ValueError as e:
             raise GenerateError(f"{path} cannot be read: {e}") from None
-        tok = path / "tokenizer.model"
+        from llama_train.data.tokenizer import tokenizer_file_in
+
+        tok = tokenizer_file_in(path)  # the export's own, its tokenizer.model, or tokenizer.json
         add_bos = False
         if (path / "tokenizer_config.json").is_file():
             add_bos = bool(json.loads((path / "tokenizer_config.json").read_text())
                            .get("add_bos_token", False))
-        return args, sd, tokenizer or (str(tok) if tok.is_file() else None), add_bos, \
+        return args, sd, tokenizer or (str(tok) if tok is not None else None), add_bos, \
             f"Hugging Face model {path}"
     try:
         ckpt = resolve_checkpoint(str(path))
@@ -95,12 +100,12 @@ def load(path: str, tokenizer: Optional[str] = None, device: str = "cpu",
                             f"Hugging Face model directory or a llama-import .pt", EXIT_BAD_INPUT)
     args, sd, tok_path, add_bos, source = _read_weights(p, tokenizer)
     if tok_path is None:
-        raise GenerateError(f"{source} has no tokenizer.model: pass --tokenizer PATH (the run's "
-                            f"data.tokenizer, or its prepared data's tokenizer.model)",
-                            EXIT_BAD_INPUT)
+        raise GenerateError(f"{source} has no tokenizer (tokenizer.model or tokenizer.json): "
+                            f"pass --tokenizer PATH (the run's data.tokenizer, or its prepared "
+                            f"data's tokenizer.model or tokenizer.json)", EXIT_BAD_INPUT)
     try:
         tok = Tokenizer(tok_path)
-    except Exception as e:  # noqa: BLE001 - sentencepiece's own errors
+    except Exception as e:  # noqa: BLE001 - sentencepiece's or tokenizers' own errors
         raise GenerateError(f"tokenizer {tok_path} cannot be loaded: {e}", EXIT_BAD_INPUT) from None
     if tok.vocab_size > args.vocab_size:
         raise GenerateError(f"tokenizer {tok_path} has {tok.vocab_size} pieces but the model's "
@@ -187,7 +192,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None,
                    help="sample from the smallest set with this probability mass")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--tokenizer", help="a sentencepiece model (default: the checkpoint's)")
+    p.add_argument("--tokenizer", help="a sentencepiece model, a Hugging Face tokenizer.json or "
+                   "a directory holding one (default: the checkpoint's)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
     p.add_argument("--dtype", choices=(*_DTYPES, "auto"), default="auto",
                    help="auto: bf16 on a GPU that has it, else fp32")

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
+from llama_train.data.tokenizer import EXPORT_KEY  # light: no tokenizer library imported
 from llama_train.model import ModelArgs, ffn_hidden_dim
 
 log = logging.getLogger(__name__)
@@ -334,9 +335,68 @@ def _write_tokenizer(tokenizer_model: Path, out_dir: Path, info: dict, max_len: 
         "split_special_tokens": True,
         "model_max_length": max_len,
         **{f"{k}_token": v for k, v in special.items()},
+        # the weights' tokenizer is this file; tokenizer.json is a conversion of it (init_from)
+        EXPORT_KEY: "tokenizer.model",
     }
     if _write_tokenizer_json(out_dir, info, add_bos):
         cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out_dir / "special_tokens_map.json").write_text(
+        json.dumps({f"{k}_token": v for k, v in special.items()}, indent=2) + "\n")
+
+
+def _hf_info(tok) -> dict:
+    """Special-token ids/strings and size of a Hugging Face tokenizer (data.Tokenizer)."""
+    info = {"vocab_size": tok.vocab_size}
+    for name in ("bos", "eos", "unk", "pad"):
+        idx = getattr(tok, f"{name}_id")
+        info[f"{name}_id"] = idx if idx >= 0 else None
+        info[f"{name}_token"] = tok.id_to_token(idx) if idx >= 0 else None
+    return info
+
+
+def _write_hf_tokenizer(tok, out_dir: Path, info: dict, max_len: int, add_bos: bool) -> None:
+    """The run's ``tokenizer.json`` (a Hugging Face tokenizer) and a ``tokenizer_config.json``
+    naming its special tokens, so ``AutoTokenizer`` loads the tokenizer the data was encoded
+    with. transformers takes a tokenizer.json's post-processor as it is (``add_bos_token`` does
+    not change it), so where it does not prepend BOS exactly when training did (``data.add_bos``)
+    the copy gets one that does; otherwise the file is the run's, byte for byte (its sha256 is
+    the data's: init_from the export reuses the prepared data). Special-token strings in text
+    are taken literally, as in training (``split_special_tokens``)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    if add_bos and info["bos_id"] is None:
+        raise ValueError(f"the model was trained with a BOS token but {tok.path} has none")
+    data = Path(tok.path).read_bytes()
+    probe = HFTokenizer.from_str(data.decode("utf-8"))
+    probe.no_padding()
+    probe.no_truncation()
+    want = ([info["bos_id"]] if add_bos else []) + tok.encode("a")
+    if probe.encode("a").ids != want:  # with its post-processor, as AutoTokenizer encodes
+        fixed = HFTokenizer.from_str(data.decode("utf-8"))
+        bos = info["bos_token"]
+        fixed.post_processor = (processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, info["bos_id"])])
+            if add_bos else None)
+        data = fixed.to_str(pretty=True).encode("utf-8")
+        log.info("%s: its post-processor replaced in the export by one that %s, as training "
+                 "did (data.add_bos=%s)", tok.path, "prepends BOS" if add_bos else "adds nothing",
+                 add_bos)
+    (out_dir / "tokenizer.json").write_bytes(data)
+    (out_dir / "tokenizer.model").unlink(missing_ok=True)  # an earlier export's: not this one
+    special = {k: info[f"{k}_token"] for k in ("bos", "eos", "unk", "pad")
+               if info[f"{k}_token"] is not None}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": True,
+        "model_max_length": max_len,
+        **{f"{k}_token": v for k, v in special.items()},
+        EXPORT_KEY: "tokenizer.json",
+    }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out_dir / "special_tokens_map.json").write_text(
         json.dumps({f"{k}_token": v for k, v in special.items()}, indent=2) + "\n")
@@ -395,21 +455,28 @@ def export_hf(args: ModelArgs, state_dict: Mapping[str, torch.Tensor], out_dir: 
     """Write a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 
     Files: ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` + index json when larger
-    than ``max_shard_bytes``), ``config.json``, ``generation_config.json`` and, given a
-    sentencepiece ``tokenizer.model``, it and the files ``AutoTokenizer`` loads (``add_bos``:
-    whether training prepended BOS, ``data.add_bos``). bos/eos ids come from the tokenizer
-    (LLaMA's 1/2 without one).
+    than ``max_shard_bytes``), ``config.json``, ``generation_config.json`` and, given the run's
+    tokenizer (``tokenizer_model``: a sentencepiece model, or a Hugging Face tokenizer.json,
+    whatever the file's name: a checkpoint keeps either as tokenizer.model), it and the files
+    ``AutoTokenizer`` loads (``add_bos``: whether training prepended BOS, ``data.add_bos``).
+    bos/eos ids come from the tokenizer (LLaMA's 1/2 without one).
     """
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype={dtype} is not supported: use torch.float32, torch.bfloat16 or torch.float16")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     info = {"bos_id": 1, "eos_id": 2, "pad_id": None}
+    tok = None
     if tokenizer_model is not None:
+        from llama_train.data import Tokenizer
+        from llama_train.data.tokenizer import SENTENCEPIECE
+
         tokenizer_model = Path(tokenizer_model)
         if not tokenizer_model.is_file():
             raise ValueError(f"tokenizer_model {str(tokenizer_model)!r} does not exist")
-        info = _sentencepiece_info(tokenizer_model)
+        tok = Tokenizer(tokenizer_model)  # DataError, a ValueError: not a tokenizer
+        info = (_sentencepiece_info(tokenizer_model) if tok.kind == SENTENCEPIECE
+                else _hf_info(tok))
         if info["vocab_size"] > args.vocab_size:
             raise ValueError(f"tokenizer {tokenizer_model} has {info['vocab_size']} pieces but "
                              f"model.vocab_size={args.vocab_size}: export the matching tokenizer")
@@ -445,8 +512,10 @@ def export_hf(args: ModelArgs, state_dict: Mapping[str, torch.Tensor], out_dir: 
     gen = {k: info[f"{k.split('_')[0]}_id"] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     (out / "generation_config.json").write_text(
         json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2) + "\n")
-    if tokenizer_model is not None:
+    if tok is not None and tok.sp is not None:
         _write_tokenizer(tokenizer_model, out, info, args.max_seq_len, add_bos)
+    elif tok is not None:
+        _write_hf_tokenizer(tok, out, info, args.max_seq_len, add_bos)
     return out
 
 
@@ -536,14 +605,17 @@ def check_init_from(path: str, model_args) -> None:
 
 
 def init_from_tokenizer_file(path: str) -> Optional[Path]:
-    """The SentencePiece model trainer.init_from's weights were trained with, where it carries
-    one: a Hugging Face directory's ``tokenizer.model`` (llama-export copies the run's there).
-    None for a llama-import .pt (weights only) or a directory without one (``tokenizer.json``
-    alone is no SentencePiece model, nor is a tiktoken file of that name)."""
+    """The tokenizer trainer.init_from's weights were trained with, where it carries one: in a
+    Hugging Face directory, the file its tokenizer_config.json names (llama-export copies the
+    run's tokenizer there, as ``tokenizer.model`` or ``tokenizer.json``, and names it), else its
+    SentencePiece ``tokenizer.model``, else its ``tokenizer.json`` (a Llama 3 download:
+    data.tokenizer.tokenizer_file_in). None for a llama-import .pt (weights only), a directory
+    without one, or one whose file is none (a tiktoken file named tokenizer.model)."""
     from llama_train.data import DataError, Tokenizer
+    from llama_train.data.tokenizer import tokenizer_file_in
 
-    tok = Path(path) / "tokenizer.model"
-    if not (Path(path).is_dir() and tok.is_file()):
+    tok = tokenizer_file_in(path) if Path(path).is_dir() else None
+    if tok is None:
         return None
     try:
         Tokenizer(tok)
@@ -552,19 +624,44 @@ def init_from_tokenizer_file(path: str) -> Optional[Path]:
     return tok
 
 
+def _hf_difference(ours, theirs) -> Optional[str]:
+    """None where two Hugging Face tokenizers (data.Tokenizer) encode alike: the same tokens,
+    model (merges), normalizer, pre-tokenizer and added tokens. Their post-processors and
+    decoders may differ (llama_train encodes with no post-processor; an export may get its
+    own), else the first difference, in words."""
+    if ours.vocab_size != theirs.vocab_size:
+        return f"{ours.vocab_size} tokens, not {theirs.vocab_size}"
+    a, b = ours.hf.get_vocab(with_added_tokens=True), theirs.hf.get_vocab(with_added_tokens=True)
+    if a != b:
+        t = next(t for t in sorted(a, key=a.get) if b.get(t) != a[t])
+        return f"token {t!r} has id {a[t]}, not {b.get(t)}"
+    x, y = (json.loads(Path(t.path).read_text(encoding="utf-8")) for t in (ours, theirs))
+    for key in ("model", "normalizer", "pre_tokenizer", "added_tokens"):
+        if x.get(key) != y.get(key):
+            return f"the same tokens, but another {key.replace('_', '-')} (merges or settings)"
+    return None
+
+
 def _tokenizer_difference(ours: Path, theirs: Path) -> Optional[str]:
-    """None where two SentencePiece models tokenize alike (the same file, or the same pieces,
-    scores, normalisation and model settings: only the trainer's bookkeeping differs), else the
-    first difference, in words."""
+    """None where two tokenizers tokenize alike (the same file; two SentencePiece models with
+    the same pieces, scores, normalisation and model settings: only the trainer's bookkeeping
+    differs; two tokenizer.json that encode alike: :func:`_hf_difference`), else the first
+    difference, in words."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
+    from llama_train.data import Tokenizer
     from llama_train.data.tokenizer import file_sha256
 
-    if file_sha256(ours) == file_sha256(theirs):
+    mine, other = Tokenizer(ours), Tokenizer(theirs)  # a directory: the tokenizer file in it
+    if file_sha256(mine.path) == file_sha256(other.path):
         return None
+    if mine.kind != other.kind:
+        return f"a {mine.kind} tokenizer, not a {other.kind} one"
+    if mine.hf is not None:
+        return _hf_difference(mine, other)
     a, b = pb.ModelProto(), pb.ModelProto()
-    a.ParseFromString(Path(ours).read_bytes())
-    b.ParseFromString(Path(theirs).read_bytes())
+    a.ParseFromString(Path(mine.path).read_bytes())
+    b.ParseFromString(Path(other.path).read_bytes())
     if len(a.pieces) != len(b.pieces):
         return f"{len(a.pieces)} pieces, not {len(b.pieces)}"
     for i, (x, y) in enumerate(zip(a.pieces, b.pieces)):
@@ -587,26 +684,30 @@ def check_init_from_tokenizer(path: str, given: Optional[str], vocab_size: int) 
     data is prepared and the process group starts."""
     from llama_train.config import ConfigError
     from llama_train.data import Tokenizer
+    from llama_train.data.tokenizer import fits
 
     own = init_from_tokenizer_file(path)
     if own is None:
         if given is not None:
             return given  # the user names the tokenizer the weights were trained with
         what = ("a llama-import .pt holds weights only" if not Path(path).is_dir() else
-                "the directory has no SentencePiece tokenizer.model")
+                "the directory has no SentencePiece tokenizer.model or Hugging Face "
+                "tokenizer.json that loads")
         raise ConfigError(
             f"trainer.init_from={path} carries no tokenizer ({what}), and no data.tokenizer is "
             f"given: a tokenizer trained here would not be the one its weights were trained "
-            f"with. Set data.tokenizer=<the SentencePiece .model they were trained with> (a "
-            f"llama-export directory carries it as tokenizer.model: init_from that directory).")
+            f"with. Set data.tokenizer=<the SentencePiece .model or tokenizer.json they were "
+            f"trained with> (a llama-export directory carries it: init_from that directory).")
     if given is None:
-        n = Tokenizer(own).vocab_size
-        if n != vocab_size:
+        tok = Tokenizer(own)
+        if not fits(tok.kind, tok.vocab_size, vocab_size):
+            exactly = ("match the embedding exactly" if tok.sp is not None else
+                       "fall inside the embedding")
             raise ConfigError(
-                f"trainer.init_from={path}: its tokenizer.model has {n} pieces but its weights "
-                f"have vocab_size={vocab_size}, and the data's ids must match the embedding "
-                f"exactly. Set data.tokenizer to the SentencePiece .model of {vocab_size} "
-                f"pieces the weights were trained with.")
+                f"trainer.init_from={path}: its {own.name} has {tok.vocab_size} pieces but its "
+                f"weights have vocab_size={vocab_size}, and the data's ids must {exactly}. Set "
+                f"data.tokenizer to the tokenizer of {vocab_size} pieces the weights were "
+                f"trained with.")
         return str(own)
     Tokenizer(given)  # not a SentencePiece model: data.tokenizer's own message
     diff = _tokenizer_difference(Path(given), own)

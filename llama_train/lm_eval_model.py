@@ -4,12 +4,48 @@ lm-eval's base class: only ``llama-eval`` imports it (and with it lm-eval)."""
 
 from __future__ import annotations
 
+import sys
+import time
+from collections import Counter
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+# While the model works through a kind of request, a progress line at least this often (s):
+# lm-eval gives its own backends a progress bar, and ours said nothing for the whole of a task.
+PROGRESS_EVERY_S = 30.0
+
+
+def say(text: str) -> None:
+    """A llama-eval progress line, on stderr (stdout keeps the results)."""
+    print(f"llama-eval: {text}", file=sys.stderr, flush=True)
+
+
+class Progress:
+    """One kind of request (loglikelihood, loglikelihood_rolling, generate_until) as the model
+    works through it: a line with its count per task when it starts, one at least every
+    PROGRESS_EVERY_S with the count done and the time left at that pace, one when it ends."""
+
+    def __init__(self, kind: str, requests: Sequence[Any], unit: str = "requests"):
+        self.kind, self.unit, self.total = kind, unit, len(requests)
+        self.t0 = self.last = time.perf_counter()
+        tasks = Counter(getattr(r, "task_name", None) or "?" for r in requests)
+        say(f"{kind}: {self.total} {unit} ({', '.join(f'{t} {n}' for t, n in tasks.items())})")
+
+    def update(self, done: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < PROGRESS_EVERY_S or done >= self.total:
+            return
+        self.last = now
+        left = (now - self.t0) / max(done, 1) * (self.total - done)
+        say(f"{self.kind}: {done}/{self.total} {self.unit} in {now - self.t0:.0f}s, "
+            f"about {left:.0f}s left")
+
+    def end(self) -> None:
+        say(f"{self.kind}: {self.total} {self.unit} done in {time.perf_counter() - self.t0:.1f}s")
 
 
 class LlamaTrainLM(TemplateLM):
@@ -23,6 +59,7 @@ class LlamaTrainLM(TemplateLM):
         self.max_length = int(max_length or self.model.args.max_seq_len)
         self.add_bos_token = add_bos_token
         self._device = self.model.tok_embeddings.weight.device
+        self._progress: Optional[Progress] = None  # loglikelihood's, for its batches
 
     @property
     def eot_token_id(self) -> int:
@@ -43,6 +80,16 @@ class LlamaTrainLM(TemplateLM):
 
     def tok_decode(self, tokens: Sequence[int]) -> str:
         return self.tok.decode(list(tokens))
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> List[Tuple[float, bool]]:
+        """lm-eval's (tokenize, then :meth:`_loglikelihood_tokens`), with progress lines."""
+        self._progress = Progress("loglikelihood", requests)
+        try:
+            out = super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        finally:
+            progress, self._progress = self._progress, None
+        progress.end()
+        return out
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False,
                               **kwargs) -> List[Tuple[float, bool]]:
@@ -75,12 +122,15 @@ class LlamaTrainLM(TemplateLM):
                 out[i] = res
                 if requests[i][0] is not None:
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], res)
+            if self._progress is not None:
+                self._progress.update(start + len(idx))
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> List[float]:
         """Each document's whole log-likelihood, in windows of max_length that score every
         token once (lm-eval's rolling windows, as its HF backend uses them)."""
         out = []
+        progress = Progress("loglikelihood_rolling", requests, "documents")
         for (text,) in [r.args for r in requests]:
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
                 token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
@@ -89,12 +139,15 @@ class LlamaTrainLM(TemplateLM):
             total = sum(ll for ll, _ in lls)
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
             out.append(total)
+            progress.update(len(out))
+        progress.end()
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> List[str]:
         """Greedy continuations (KV cache), cut at the first of the request's ``until``
         strings; at most ``max_gen_toks`` new tokens (default 256)."""
         out = []
+        progress = Progress("generate_until", requests)
         for context, kw in [r.args for r in requests]:
             kw = dict(kw or {})
             until = kw.get("until") or [self.tok_decode([self.eot_token_id])]
@@ -113,4 +166,6 @@ class LlamaTrainLM(TemplateLM):
                     text = text[:text.index(stop)]
             self.cache_hook.add_partial("generate_until", (context, kw), text)
             out.append(text)
+            progress.update(len(out))
+        progress.end()
         return out

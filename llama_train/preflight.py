@@ -104,6 +104,7 @@ def preflight(cfg: Config) -> Preflight:
 
         check_init_from(cfg.trainer.init_from, cfg.model)
         cfg = _init_from_tokenizer(cfg, resuming=candidate is not None, main=rt.is_main)
+    check_tokenizer_fits(cfg)  # files only: before the data is read or prepared
     faults = FaultPlan.from_env()  # a malformed LLAMA_TRAIN_FAULTS fails here, not mid-run
     check_wandb_env(cfg.tracking)
     try:
@@ -137,6 +138,26 @@ def preflight(cfg: Config) -> Preflight:
     lock = RunLock(cfg.trainer.output_dir).acquire() if rt.is_main else None
     return Preflight(cfg, rt, cfg.model, plan, prepared, experiment, lock, faults=faults,
                      resume=resume)
+
+
+def check_tokenizer_fits(cfg: Config) -> None:
+    """data.tokenizer's size against model.vocab_size (data.tokenizer.fits: a SentencePiece
+    model's must equal it, a Hugging Face tokenizer.json's may be smaller), or, with none given,
+    whether the source can train one that large (a built-in corpus cannot: meta.BUILTIN_MAX_VOCAB).
+    From files alone, in preflight and in the dry run: a Llama 3 preset without data.tokenizer
+    failed a minute in, inside SentencePiece, after a dry run that said nothing. Raises
+    DataError naming the keys and the fix."""
+    from llama_train.data.meta import tokenizer_settings
+
+    d = cfg.data
+    if d.tokenizer is None and cfg.trainer.init_from:  # the dry run: preflight has set it
+        from llama_train.hf import init_from_tokenizer_file
+
+        own = init_from_tokenizer_file(cfg.trainer.init_from)
+        if own is None:  # refused by check_init_from_tokenizer, naming trainer.init_from
+            return
+        d = replace(d, tokenizer=str(own))
+    tokenizer_settings(d, cfg.model.vocab_size)
 
 
 def _init_from_tokenizer(cfg: Config, resuming: bool, main: bool) -> Config:

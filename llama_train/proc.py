@@ -163,10 +163,11 @@ def _watch_runner(launcher: int, every_s: float = 1.0) -> None:
     import threading
     import time
 
-    global _runner_pid
+    global _runner_pid, _runner_command
     _runner_pid = _parent_of(launcher)
     if _runner_pid is None or _runner_pid <= 1:
         return
+    _runner_command = _deepspeed_command(_runner_pid)  # read now: Ctrl-C ends it first
 
     def watch() -> None:
         global _runner_lost
@@ -179,6 +180,47 @@ def _watch_runner(launcher: int, every_s: float = 1.0) -> None:
             return
 
     threading.Thread(target=watch, name="runner-watch", daemon=True).start()
+
+
+_runner_command: Optional[str] = None
+
+
+def _deepspeed_command(pid: int) -> Optional[str]:
+    """The ``deepspeed ...`` command line of DeepSpeed's runner ``pid`` as a user types it
+    (``python .../bin/deepspeed --num_gpus 2 ...`` -> ``deepspeed --num_gpus 2 ...``); None
+    where ``pid`` is no runner (under pdsh, a launcher's parent is pdsh's shell)."""
+    import shlex
+
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return None
+    for i, a in enumerate(argv):
+        if os.path.basename(a) in ("deepspeed", "ds"):
+            return shlex.join(["deepspeed", *argv[i + 1:]])
+        if a == "-m" and argv[i + 1:i + 2] == ["deepspeed.launcher.runner"]:
+            return shlex.join(["deepspeed", *argv[i + 2:]])
+    return None
+
+
+def job_command() -> Optional[str]:
+    """The command that started this job, to run it again (Ctrl-C's resume line): the
+    ``deepspeed`` command above this rank's launcher (read as the rank started), or this
+    process's own ``llama-train ...`` / ``python -m llama_train.train ...`` command line (a
+    whole --multirun sweep: rerunning it resumes each job). None where it cannot be told: a
+    multi-node rank (its launcher started by pdsh), a program that embeds the trainer."""
+    import shlex
+
+    if _launcher_pid is not None:
+        return _runner_command
+    argv = list(getattr(sys, "orig_argv", []))
+    for i, a in enumerate(argv):
+        if a == "-m" and argv[i + 1:i + 2] == ["llama_train.train"]:
+            return shlex.join(["llama-train", *argv[i + 2:]])
+        if os.path.basename(a) == "llama-train":
+            return shlex.join(["llama-train", *argv[i + 1:]])
+    return None
 
 
 def launcher_gone() -> Optional[str]:

@@ -191,10 +191,20 @@ def check_tokenizer(ckpt: Path, tokenizer_sha: Optional[str]) -> None:
         raise ResumeRefused(_refusal(ckpt, [], hard))
 
 
+def _checkpoint_tokenizer(ckpt: Path) -> Path:
+    """The tokenizer file a checkpoint keeps: tokenizer.model (a SentencePiece model, or the
+    bytes of a Hugging Face tokenizer.json: data.Tokenizer tells them by content), or
+    tokenizer.json."""
+    for name in ("tokenizer.model", "tokenizer.json"):
+        if (Path(ckpt) / name).is_file():
+            return Path(ckpt) / name
+    return Path(ckpt) / "tokenizer.model"
+
+
 def _tokenizer_change(ckpt: Path, tokenizer_sha: Optional[str]) -> List[Change]:
     from llama_train.data.tokenizer import file_sha256
 
-    theirs = Path(ckpt) / "tokenizer.model"
+    theirs = _checkpoint_tokenizer(ckpt)
     if theirs.is_file() and tokenizer_sha and file_sha256(theirs) != tokenizer_sha:
         return [("tokenizer sha256 (of the data)", file_sha256(theirs)[:12], tokenizer_sha[:12])]
     return []
@@ -211,7 +221,7 @@ def _refusal(ckpt: Path, refused: List[Change], hard: List[Change]) -> str:
     if any(not k.startswith("simulation") for k, _, _ in hard):
         fix.append(f"a changed model shape, global batch or tokenizer cannot continue this "
                    f"run: keep them (for the tokenizer, prepare the data with "
-                   f"data.tokenizer={Path(ckpt) / 'tokenizer.model'}); a new shape is a new run")
+                   f"data.tokenizer={_checkpoint_tokenizer(ckpt)}); a new shape is a new run")
     fix.append("or start a new trainer.output_dir (or trainer.resume=never with "
                "trainer.on_existing=archive)")
     return (f"checkpoint {ckpt} was trained with another run-defining config: {listed}. Nothing "

@@ -24,10 +24,10 @@ import shlex
 import string
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
-from llama_train.config import ConfigError, TrackingConfig
+from llama_train.config import ConfigError, TrackingConfig, WandbConfig
 from llama_train.records import EVENT, EventRecord, Record, StepRecord, parse_line
 
 log = logging.getLogger("llama_train")
@@ -78,6 +78,18 @@ def resolve_wandb_mode(mode: Optional[str]) -> str:
     return "online" if wandb_api_key_present() else "offline"
 
 
+DEFAULT_WANDB_PROJECT = "llama_train"
+
+
+def resolve_wandb_target(cfg: WandbConfig) -> Tuple[str, Optional[str]]:
+    """(project, entity) of the W&B run: the config's where given, else ``WANDB_PROJECT`` /
+    ``WANDB_ENTITY`` (how a W&B user sets them for every tool), else our project name and no
+    entity (W&B's default: the API key's). Passed to wandb.init explicitly, so what the log
+    says is what W&B got."""
+    project = cfg.project or os.environ.get("WANDB_PROJECT") or DEFAULT_WANDB_PROJECT
+    return project, cfg.entity or os.environ.get("WANDB_ENTITY") or None
+
+
 def offline_run_dirs(wandb_dir: Path, run_id: str) -> List[Path]:
     """Every offline directory W&B wrote for ``run_id`` under ``wandb_dir`` (``<dir>/wandb``),
     oldest first. Each start of the run (the first and every resume) adds one:
@@ -108,6 +120,10 @@ class Tracker:
     """``log(step, metrics)`` appends a JSON line and forwards to W&B and TensorBoard; ``event``
     records checkpoints, resumes and rollbacks. Its state (the W&B run id, the file's length)
     travels in checkpoints."""
+
+    # Whether this process was asked to stop (Ctrl-C, SIGTERM): Trainer.fit sets it. Stopping a
+    # launched job takes W&B's service down with it, and that is no longer worth a warning.
+    stopping: Callable[[], bool] = staticmethod(lambda: False)
 
     def __init__(self, cfg: TrackingConfig, output_dir: str, rank: int,
                  run_config: Optional[Dict[str, Any]] = None, lead: Optional[bool] = None):
@@ -237,9 +253,10 @@ class Tracker:
             self.run_id = "".join(secrets.choice(alphabet) for _ in range(8))
         wandb_dir = Path(w.dir or self.output_dir)
         wandb_dir.mkdir(parents=True, exist_ok=True)
+        project, entity = resolve_wandb_target(w)
         self._wandb = wandb.init(
-            project=w.project,
-            entity=w.entity,
+            project=project,
+            entity=entity,
             name=w.name,
             group=w.group,
             tags=list(w.tags) or None,
@@ -257,7 +274,8 @@ class Tracker:
         # Our step can repeat (resume, rollback); W&B's own must grow: plot against "step".
         self._wandb.define_metric("step")
         self._wandb.define_metric("*", step_metric="step")
-        log.info("wandb: run %s (%s) in %s", self.run_id, self.mode, wandb_dir)
+        log.info("wandb: run %s (%s, project %s%s) in %s", self.run_id, self.mode, project,
+                 f", entity {entity}" if entity else "", wandb_dir)
 
     # -- logging ---------------------------------------------------------------------------
     def _append(self, record: Record) -> None:
@@ -364,8 +382,17 @@ class Tracker:
             wandb.teardown()  # unregisters W&B's exit hook first, then fails to reach the service
         except _service_errors():
             pass
-        where = self.sync_hint() or (f"its local files in {self.wandb_dir} can be uploaded "
-                                     f"with `wandb sync`" if self.wandb_dir else "")
+        hint = self.sync_hint()
+        if self.stopping():
+            # Ctrl-C or SIGTERM under the deepspeed launcher: it SIGTERMs every process under
+            # each rank, W&B's service too, as the rank saves. What W&B wrote is on disk: the
+            # upload command, as at the end of any offline run, instead of a warning.
+            log.info("%s", hint or f"wandb: run {self.run_id} stopped with the job before W&B "
+                     f"could finish it; `wandb sync {self.wandb_dir}/run-*-{self.run_id}` "
+                     f"uploads what did not reach W&B")
+            return
+        where = hint or (f"its local files in {self.wandb_dir} can be uploaded "
+                         f"with `wandb sync`" if self.wandb_dir else "")
         log.warning("wandb: its service process is gone (%s: %s): W&B logging stops here; "
                     "metrics.jsonl keeps every step. %s", type(e).__name__, e, where)
 

@@ -6,7 +6,7 @@ line that says what to do.
 Works unchanged under the ``deepspeed`` launcher (its ``--local_rank=N`` is taken off argv before
 Hydra parses it) and as a plain single process. Exit codes (docs/reliability.md): 2 bad config or
 data, 3 a checkpoint could not be saved or loaded, 4 the fault policy gave up, 5 another rank was
-lost.
+lost, 128+N stopped by signal N (130: Ctrl-C) after saving.
 """
 
 from __future__ import annotations
@@ -75,8 +75,10 @@ def _strip_launcher_args(argv: List[str]) -> List[str]:
 
 
 # Exit codes (docs/reliability.md): 2 bad config or data, 3 a checkpoint could not be saved or
-# loaded, 4 the fault policy gave up, 5 another rank was lost.
+# loaded, 4 the fault policy gave up, 5 another rank was lost; 128+N stopped by signal N
+# (llama_train.trainer.StopSignals).
 EXIT_BAD_INPUT, EXIT_CHECKPOINT, EXIT_ABORTED, EXIT_LOST_RANK = 2, 3, 4, 5
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C: 130, as a shell reports a command it ended
 LOST_RANK_EXIT_DELAY_S = 2.5
 
 
@@ -214,32 +216,99 @@ def _unwritable(e: OSError, output_dir: str) -> str:
 
 
 def sweep_job_dir(cfg: Config, dcfg: DictConfig):
-    """(config, job name): under --multirun each job trains in its own directory,
-    ``<trainer.output_dir>/<this job's swept key=value,...>``, so no job of a sweep resumes
-    another's checkpoint, and rerunning the sweep resumes each job where it stopped. Left alone
-    (name None) outside --multirun, and when trainer.output_dir already differs per job: swept
-    itself, or built from a swept key or Hydra's job directory."""
-    import hashlib
+    """(config, job name): under --multirun each job trains in its own directory, so no job of a
+    sweep resumes another's checkpoint or trains inside another run's directory, and rerunning
+    the sweep resumes each job where it stopped:
+
+    * Hydra's job directory, ``<hydra.sweep.dir>/<hydra.sweep.subdir>``: ``multirun/<this job's
+      swept key=value,...>`` (configs/config.yaml; :func:`sweep_subdir`), or any layout set with
+      those two keys;
+    * ``<trainer.output_dir>/<swept key=value,...>`` where the command line names
+      trainer.output_dir (the sweep's own root);
+    * trainer.output_dir as it is (name None) where it already differs per job: swept itself,
+      or built from a swept key or Hydra's job directory (``${hydra:job.num}``).
+
+    Outside --multirun: left alone (name None)."""
+    import re
 
     from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return cfg, None
     hc = HydraConfig.get()
-    parsed = OverridesParser.create().parse_overrides(_cli_overrides(sys.argv[1:]))
-    swept = {o.key_or_group for o in parsed if o.is_sweep_override()}
+    swept = _swept_keys()
     raw = str(OmegaConf.to_container(dcfg.trainer, resolve=False)["output_dir"])
-    if "trainer.output_dir" in swept or "hydra" in raw or any(k in raw for k in swept):
+    # an interpolation of a swept key: ${optim.lr}, ${sci:${scaling.flops}}, ${model.dim}
+    refers = any(re.search(r"\$\{[^{}]*" + re.escape(k) + r"\b", raw) for k in swept)
+    name = None
+    if "trainer.output_dir" in swept or "hydra" in raw or refers:
+        out = cfg.trainer.output_dir
+    elif any(o.lstrip("+~").split("=")[0] == "trainer.output_dir" for o in hc.overrides.task):
+        name = sweep_subdir()
+        out = os.path.join(cfg.trainer.output_dir, name)
+    else:
+        name, out = sweep_subdir(), os.path.join(str(hc.sweep.dir), str(hc.sweep.subdir))
+        sweep = OmegaConf.to_container(hc.sweep, resolve=False)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "now:" in f"{sweep}":
+            raise ConfigError(
+                f"hydra.sweep.dir={sweep['dir']} hydra.sweep.subdir={sweep['subdir']}: each rank "
+                f"of the launcher resolves ${{now:...}} at its own start, so the ranks could "
+                f"train in different directories. Name the sweep's directory instead "
+                f"(hydra.sweep.dir=multirun/lr-study), or give trainer.output_dir=<dir>.")
+    if not within(out, hc.runtime.output_dir):
+        # Hydra created the job's directory before the job; this job trains elsewhere, so an
+        # empty directory named like the job would only mislead (every rank: rmdir is atomic)
+        try:
+            os.rmdir(hc.runtime.output_dir)
+        except OSError:  # holds files (another run's), or another rank removed it
+            pass
+    if out == cfg.trainer.output_dir:
         return cfg, None
+    return replace(cfg, trainer=replace(cfg.trainer, output_dir=out)), name
+
+
+def _register_sweep_subdir() -> None:
+    """``${llama_train.sweep_subdir:}``, which configs/config.yaml's hydra.sweep.subdir names
+    (:func:`sweep_subdir`; outside a job, where Hydra prints its config: the job's number)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    def subdir() -> str:
+        if not HydraConfig.initialized() or OmegaConf.is_missing(HydraConfig.get().job, "num"):
+            return "${hydra.job.num}"  # --cfg hydra --resolve: no job
+        return sweep_subdir()
+
+    OmegaConf.register_new_resolver("llama_train.sweep_subdir", subdir, replace=True)
+
+
+def _swept_keys() -> set:
+    """The keys (or config groups) this command line sweeps (``optim.lr=1e-3,2e-3``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(_cli_overrides(sys.argv[1:]))
+    return {o.key_or_group for o in parsed if o.is_sweep_override()}
+
+
+def sweep_subdir() -> str:
+    """A --multirun job's directory name, ``hydra.sweep.subdir``'s default
+    (``${llama_train.sweep_subdir:}`` in configs/config.yaml): the job's swept overrides,
+    ``optim.lr=0.001`` or ``model=tiny,optim.lr=0.001`` (``/`` in a value becomes ``_``; over
+    120 characters, a prefix and a hash); the job's number where the command line sweeps
+    nothing (a sweep of the config's own hydra.sweeper.params). The same on every rank and on
+    every rerun of the sweep: the ranks of a job share it, a rerun resumes it."""
+    import hashlib
+
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    swept = _swept_keys()
     parts = [o.lstrip("+~") for o in hc.overrides.task if o.lstrip("+~").split("=")[0] in swept]
-    name = (",".join(parts) or f"job{hc.job.num}").replace(os.sep, "_")
+    name = (",".join(parts) or str(hc.job.num)).replace(os.sep, "_")
     if len(name) > 120:  # a file name has at most 255 bytes
         name = f"{name[:100]}-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
-    out = os.path.join(cfg.trainer.output_dir, name)
-    return replace(cfg, trainer=replace(cfg.trainer, output_dir=out)), name
+    return name
 
 
 def _exit_lost_rank(comm: BaseException, timeout_s: float, step: Optional[int]) -> None:
@@ -290,6 +359,7 @@ def _check_sweep(overrides: List[str], source: "ConfigSource") -> None:
     from hydra import compose, initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from llama_train.config import explain_composition_error, validate
@@ -303,12 +373,14 @@ def _check_sweep(overrides: List[str], source: "ConfigSource") -> None:
     device = os.environ.get("DS_ACCELERATOR") or ("cuda" if _cuda_available() else "cpu")
     bad = []
     GlobalHydra.instance().clear()
+    before = HydraConfig.instance().cfg
     try:
         with initialize_config_dir(config_dir=str(source.dir), version_base=None):
             for n, job in enumerate(jobs):
                 try:
                     own = [o for o in job if not o.lstrip("+~").startswith("hydra")]
-                    cfg = load_config(compose(source.name, [*source.search, *own]))
+                    full = compose(source.name, [*source.search, *own], return_hydra_config=True)
+                    cfg = load_config(_as_sweep_job(full, n))
                     validate(cfg, world, device)
                 except Exception as e:  # noqa: BLE001 - composition errors and ValueErrors
                     msg = explain_composition_error(e) or (str(e) if isinstance(e, ValueError)
@@ -318,10 +390,34 @@ def _check_sweep(overrides: List[str], source: "ConfigSource") -> None:
                     bad.append(f"job {n} ({' '.join(job)}): {msg}")
     finally:
         GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = before
     if bad:
         _fail(EXIT_BAD_INPUT, ConfigError(
             f"{len(bad)} of the {len(jobs)} jobs of this --multirun sweep cannot run; none was "
             f"started. " + " | ".join(bad)))
+
+
+def _as_sweep_job(full: DictConfig, num: int) -> DictConfig:
+    """A composed config (with its hydra node) as job ``num`` of the sweep sees it: Hydra's
+    config set as Hydra sets it before a job, so an interpolation such as
+    ``trainer.output_dir=runs/${hydra:job.num}`` resolves; returned without the hydra node."""
+    import copy
+
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict, read_write
+
+    with read_write(full.hydra), open_dict(full.hydra):
+        full.hydra.job.num = num
+    HydraConfig.instance().set_config(full)
+    hc = HydraConfig.get()
+    with read_write(full.hydra), open_dict(full.hydra):
+        full.hydra.runtime.output_dir = os.path.abspath(
+            os.path.join(str(hc.sweep.dir), str(hc.sweep.subdir)))
+    HydraConfig.instance().set_config(full)
+    task = copy.deepcopy(full)
+    with read_write(task), open_dict(task):
+        del task["hydra"]
+    return task
 
 
 def _cuda_available() -> bool:
@@ -526,6 +622,7 @@ def main(hooks: Sequence[Hook] = ()) -> None:
     except ConfigError as e:
         _fail(EXIT_BAD_INPUT, e)
     sys.argv = [sys.argv[0], *source.argv]
+    _register_sweep_subdir()
     if "--multirun" in sys.argv or "-m" in sys.argv:
         _check_sweep(_cli_overrides(given), source)
     overrides = _job_config_request(sys.argv[1:])
@@ -590,6 +687,13 @@ def cli() -> None:
         else:
             print(e.code, file=sys.stderr)
             code = 1
+    except KeyboardInterrupt:  # Ctrl-C outside the loop (the loop saves and says so itself)
+        code = EXIT_INTERRUPTED
+        if os.environ.get("RANK", "0") == "0":
+            print("llama-train: interrupted (Ctrl-C) outside the training loop (starting up, or "
+                  "finishing after the last save): nothing more was saved; checkpoints already "
+                  "saved are intact, and the same command resumes from the newest.",
+                  file=sys.stderr)
     atexit._run_exitfuncs()
     exit_skipping_teardown(code)
 

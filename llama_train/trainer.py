@@ -36,7 +36,7 @@ from llama_train.faults import FaultInjector, FaultPlan
 from llama_train.flops import PeakFlops, memory_stats
 from llama_train.hooks import Hook
 from llama_train.model import count_params, flops_per_token
-from llama_train.proc import launcher_gone, stop_with_launcher
+from llama_train.proc import job_command, launcher_gone, stop_with_launcher
 from llama_train.optim import param_groups
 from llama_train.records import RUN_INFO_FILE, RunInfo
 from llama_train.recovery import Recovery
@@ -111,13 +111,57 @@ class Interval:
         self.step_s.append(out.seconds)
         self.wait_s += out.batch.data_wait_s
 
-    def take(self, tokens: int) -> Dict[str, float]:
+    def peek(self, tokens: int) -> Dict[str, float]:
+        """The interval so far, left open: a console line between records."""
         wall = time.perf_counter() - self.t0
-        figures = {"tokens_per_s": (tokens - self.tokens0) / wall,
-                   "step_time_s": statistics.median(self.step_s), "data_wait_s": self.wait_s,
-                   "interval_s": wall, "interval_steps": len(self.step_s)}
+        return {"tokens_per_s": (tokens - self.tokens0) / wall,
+                "step_time_s": statistics.median(self.step_s), "data_wait_s": self.wait_s,
+                "interval_s": wall, "interval_steps": len(self.step_s)}
+
+    def take(self, tokens: int) -> Dict[str, float]:
+        figures = self.peek(tokens)
         self.reset(tokens)
         return figures
+
+
+# Between records (trainer.log_every) the console's step line comes at least this often, in
+# seconds of wall time: with 20 s steps and log_every=10 a run said nothing for 200 s. Such a
+# line is not a record: metrics.jsonl still holds every log_every-th step.
+CONSOLE_EVERY_S = 30.0
+# The ETA leaves out each start's first steps: the first holds compilation and DeepSpeed's
+# first-step set-up (step 1's ETA was 60% too long), the second ZeRO-3's first trace.
+ETA_SKIP_STEPS = 2
+
+
+class Progress:
+    """The pace the console reports: when a step line is due between records, the ETA (wall
+    time per step after this start's first ETA_SKIP_STEPS steps, evaluations and saves
+    included) and the seconds spent in steps (the end-of-run throughput)."""
+
+    def __init__(self, step: int, max_steps: int):
+        self.t0 = self.last_line = time.perf_counter()
+        self.first_step, self.max_steps = step, max_steps
+        # a start of a few steps: fewer left out, so that it still gets an ETA
+        self.skip = min(ETA_SKIP_STEPS, max(0, max_steps - step - 2))
+        self.mark = (self.t0, step) if self.skip == 0 else None  # (time, step) it counts from
+        self.step_s, self.steps = 0.0, 0
+
+    def step_done(self, step: int, seconds: float) -> None:
+        self.step_s += seconds
+        self.steps += 1
+        if self.skip and step == self.first_step + self.skip:  # again if a rollback replays it
+            self.mark = (time.perf_counter(), step)
+
+    def line_due(self) -> bool:
+        return time.perf_counter() - self.last_line >= CONSOLE_EVERY_S
+
+    def eta(self, step: int) -> str:
+        if step >= self.max_steps:
+            return duration(0)
+        if self.mark is None or step <= self.mark[1]:
+            return f"after step {(self.mark[1] if self.mark else self.first_step + self.skip) + 1}"
+        t0, step0 = self.mark
+        return duration((time.perf_counter() - t0) / (step - step0) * (self.max_steps - step))
 
 
 class StopSignals:
@@ -136,6 +180,18 @@ class StopSignals:
 
     def exit_code(self) -> int:
         return 128 + (self.received[0] if self.received else signal.SIGTERM)
+
+    def stopped_line(self, step: int, checkpoint: Any, command: Optional[str],
+                     resume: str) -> str:
+        """The one line a stopped job ends with (rank 0, once the save is durable): why, the
+        step saved and where, the command that resumes it (``trainer.resume=auto`` added where
+        the run's own setting would not resume)."""
+        first = self.received[0] if self.received else None
+        why = ("Ctrl-C (SIGINT)" if first == signal.SIGINT else signal.Signals(first).name
+               if first is not None else "a signal to another rank")
+        again = (f"{command}{'' if resume == 'auto' else ' trainer.resume=auto'}" if command
+                 else f"the same command{'' if resume == 'auto' else ' with trainer.resume=auto'}")
+        return f"stopped by {why}: saved step {step}, exiting ({checkpoint}); resume with: {again}"
 
 
 def start(pre, hooks: Sequence[Hook] = ()) -> Optional["Trainer"]:
@@ -228,7 +284,11 @@ class Trainer:
         self.recovery = Recovery(cfg.recovery, self.state, self.tracker,
                                  enabled=not rt.simulated)
         self.fpt = flops_per_token(self.model_args, t.seq_len)
-        self.peak = PeakFlops(rt.device, precision, rt.world_size, t.peak_flops)
+        # A simulated rank is one process on one device: MFU is its share of each step's tokens
+        # against that device's peak (N devices' peak would claim compute it never ran).
+        self.own_share = 1 / rt.world_size if rt.simulated else 1.0
+        self.peak = PeakFlops(rt.device, precision, 1 if rt.simulated else rt.world_size,
+                              t.peak_flops)
         self.losses: Dict[int, float] = {}
         self.val_loss: Optional[float] = None
         # data.val_fraction=0: no validation split, so no evaluation (said once at start)
@@ -272,12 +332,16 @@ class Trainer:
         p = self.plan
         sp = self.cfg.parallel.sequence
         log.info("model: %s params (%s non-embedding); %d ranks%s x micro %d x accum %d = global "
-                 "batch %d x %d tokens; ZeRO-%d %s on %s; MFU against %.3g FLOP/s (%s), fixed "
-                 "for the run", f"{n['total']:,}", f"{n['non_embedding']:,}", self.rt.world_size,
+                 "batch %d x %d tokens; ZeRO-%d %s on %s; MFU%s against %.3g FLOP/s (%s), "
+                 "fixed for the run", f"{n['total']:,}", f"{n['non_embedding']:,}",
+                 self.rt.world_size,
                  f" / sequence parallel {sp}" if sp > 1 else "", p.micro_batch, p.grad_accum,
                  p.global_batch, p.seq_len,
-                 self.cfg.deepspeed.zero_stage, precision, self.rt.device_type, self.peak.value,
-                 self.peak.source)
+                 self.cfg.deepspeed.zero_stage, precision, self.rt.device_type,
+                 "" if self.sim is None else
+                 f" of this simulated rank (its 1/{self.rt.world_size} of each step's tokens; "
+                 f"tok/s counts the job's tokens at its pace, collectives local) on one device",
+                 self.peak.value, self.peak.source)
         if not self.has_val:
             log.warning("data.val_fraction=%g: the data has no validation split, so there is no "
                         "evaluation (no val_loss)", self.cfg.data.val_fraction)
@@ -288,14 +352,17 @@ class Trainer:
         t, s = self.cfg.trainer, self.state
         self.resume()
         stop = StopSignals()
+        # under the launcher a stop takes W&B's service down with the job: expected, not a warning
+        self.tracker.stopping = lambda: bool(stop.received)
         try:
             self.data_iter = iter(self.loader)
             self.last_good = self.resume_from  # a rollback returns here: the newest of this run
             last_saved = s.step if self.resume_from is not None else -1
             first_step, run_done = s.step, False
-            self.started = (time.perf_counter(), s.step, s.tokens)  # for the ETA and the summary
+            self.started = (time.perf_counter(), s.step, s.tokens)  # for the summary
             self.engine.train()
             self.interval = Interval(s.tokens)
+            self.progress = Progress(s.step, t.max_steps)
             while s.step < t.max_steps:
                 for h in self.hooks:
                     h.on_step_begin(s.step + 1)
@@ -333,9 +400,10 @@ class Trainer:
                         log.error("the deepspeed command that started this job is gone "
                                   "(stopped by a signal?): saved step %d and stopped; relaunch "
                                   "the job to continue from it", s.step)
-                    log.warning("signal %s: saved step %d, exiting",
-                                stop.received or "(other rank)", s.step)
                     self.close()
+                    if self.rt.is_main:  # one line for the job, true once the save is durable
+                        log.warning("%s", stop.stopped_line(s.step, self.last_good,
+                                                            job_command(), t.resume))
                     raise SystemExit(stop.exit_code())
                 if run_done:
                     log.info("trainer.steps_this_run=%d reached at step %d: checkpoint saved, "
@@ -389,13 +457,20 @@ class Trainer:
     # -- around the step -----------------------------------------------------------------------
     def log_step(self, out: StepOutput) -> Dict[str, Any]:
         t, s = self.cfg.trainer, self.state
-        if not (s.step % t.log_every == 0 or s.step == t.max_steps or s.step == 1
-                or out.verdict is not None):
+        self.progress.step_done(s.step, out.seconds)
+        record = (s.step % t.log_every == 0 or s.step == t.max_steps or s.step == 1
+                  or out.verdict is not None)
+        console = self.rt.is_main and self.cfg.tracking.console
+        if not (record or (console and self.progress.line_due())):
             return {}
         b = out.batch
         grad_norm = b.result.grad_norm
-        speed = self.interval.take(s.tokens)
-        mfu = self.peak.mfu(self.fpt * speed["tokens_per_s"])
+        # between records (a slow step): the interval so far, on the console only
+        speed = self.interval.take(s.tokens) if record else self.interval.peek(s.tokens)
+        mfu = self.peak.mfu(self.fpt * speed["tokens_per_s"] * self.own_share)
+        if not record:
+            self._step_line(out, speed, mfu)
+            return {}
         metrics = {"loss": b.loss, "lr": b.lr, "grad_norm": grad_norm, "tokens": s.tokens,
                    **speed, "mfu": mfu, "skipped_steps": s.skipped_steps,
                    **memory_stats(self.rt.device)}
@@ -409,17 +484,21 @@ class Trainer:
             log.warning("MFU %.0f%% > 100%% at step %d: the peak of %.3g FLOP/s (%s) is too low "
                         "for this machine; set trainer.peak_flops to its per-device peak", 100 * mfu,
                         s.step, self.peak.value, self.peak.source)
-        if self.rt.is_main and self.cfg.tracking.console:
-            # ETA: this start's wall time per step so far (evaluations and saves included)
-            t0, step0, _ = self.started
-            eta = (time.perf_counter() - t0) / max(1, s.step - step0) * (t.max_steps - s.step)
-            log.info("step %5d/%d | %s %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | mfu %.1f%% | "
-                     "%d steps in %.1fs (median %.2fs) | eta %s", s.step, t.max_steps,
-                     "loss" if self.sim is None else "rank_loss (simulated)", b.loss, b.lr,
-                     grad_norm if grad_norm is not None else float("nan"),
-                     speed["tokens_per_s"], 100 * mfu, speed["interval_steps"],
-                     speed["interval_s"], speed["step_time_s"], duration(eta))
+        if console:
+            self._step_line(out, speed, mfu)
         return metrics
+
+    def _step_line(self, out: StepOutput, speed: Dict[str, float], mfu: float) -> None:
+        """The console's step line: the interval's throughput (since the last record) and the
+        ETA (:class:`Progress`)."""
+        s, b, grad_norm = self.state, out.batch, out.batch.result.grad_norm
+        log.info("step %5d/%d | %s %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | mfu %.1f%% | "
+                 "%d steps in %.1fs (median %.2fs) | eta %s", s.step, self.cfg.trainer.max_steps,
+                 "loss" if self.sim is None else "rank_loss (simulated)", b.loss, b.lr,
+                 grad_norm if grad_norm is not None else float("nan"),
+                 speed["tokens_per_s"], 100 * mfu, speed["interval_steps"],
+                 speed["interval_s"], speed["step_time_s"], self.progress.eta(s.step))
+        self.progress.last_line = time.perf_counter()
 
     def evaluate(self) -> float:
         """The mean loss per token over the evaluation set (``trainer.eval_sequences`` windows
@@ -555,18 +634,25 @@ class Trainer:
         self.tracker.rewind(saved["tracker"].get("metrics_lines"), self.state.step)
 
     # -- the end -------------------------------------------------------------------------------
-    def finish(self) -> str:
-        """A text sample, the final run_info.json, then close (the last save is durable first:
-        a write that failed stops the run here, exit 3)."""
+    def finish(self) -> Optional[str]:
+        """A text sample (None with sample.tokens=0: no line, no sample.txt), the final
+        run_info.json, then close (the last save is durable first: a write that failed stops
+        the run here, exit 3)."""
         try:
             self.ckpts.wait()
             self._log_saves()
-            sample = generate_sample(self.engine, self.cfg.sample, self.cfg.trainer.seed,
-                                     self.prepared.tokenizer_path, self.rt.device, self.rt.is_main)
+            sample = (generate_sample(self.engine, self.cfg.sample, self.cfg.trainer.seed,
+                                      self.prepared.tokenizer_path, self.rt.device,
+                                      self.rt.is_main)
+                      if self.cfg.sample.tokens else None)
             simulation = self._simulation_report()
             if self.rt.is_main:
-                log.info("sample: %r", sample)
-                (Path(self.cfg.trainer.output_dir) / "sample.txt").write_text(sample + "\n")
+                sample_file = Path(self.cfg.trainer.output_dir) / "sample.txt"
+                if sample is not None:
+                    log.info("sample: %r", sample)
+                    sample_file.write_text(sample + "\n")
+                else:  # an earlier start's sample does not describe this end
+                    sample_file.unlink(missing_ok=True)
                 self.write_run_info(final_val_loss=self.val_loss if self.sim is None else None,
                                     final_step=self.state.step, simulation=simulation)
                 if self.sim is None:
@@ -583,15 +669,29 @@ class Trainer:
         """The end-of-run account (llama_train.summary) on rank 0."""
         s, exp = self.state, self.experiment
         t0, _, tokens0 = self.started
-        for line in end_of_run(
-                step=s.step, max_steps=self.cfg.trainer.max_steps,
-                wall_s=time.perf_counter() - t0, tokens=s.tokens, run_tokens=s.tokens - tokens0,
-                train_loss=self.losses[max(self.losses)] if self.losses else None,
-                val_loss=self.val_loss,
-                predicted_loss=exp.target_loss if exp is not None else None,
-                plan=exp.describe() if exp is not None else None, checkpoint=self.last_good,
-                output_dir=self.cfg.trainer.output_dir):
+        wall = time.perf_counter() - t0
+        lines = end_of_run(
+            step=s.step, max_steps=self.cfg.trainer.max_steps,
+            wall_s=wall, tokens=s.tokens, run_tokens=s.tokens - tokens0,
+            train_loss=self.losses[max(self.losses)] if self.losses else None,
+            val_loss=self.val_loss,
+            predicted_loss=exp.target_loss if exp is not None else None,
+            plan=exp.describe() if exp is not None else None, checkpoint=self.last_good,
+            output_dir=self.cfg.trainer.output_dir)
+        lines.insert(1, self._throughput(s.tokens - tokens0, wall))
+        for line in lines:
             log.info("%s", line)
+
+    def _throughput(self, tokens: int, wall_s: float) -> str:
+        """The summary's mean tokens/s and MFU: over this start's wall time (as the records'
+        tokens_per_s, evaluations and saves included), and over its steps alone."""
+        pr = self.progress
+        tps = tokens / max(wall_s, 1e-9)
+        step_tps = pr.steps * self.plan.tokens_per_step / max(pr.step_s, 1e-9)
+        return (f"  throughput: {tps:,.0f} tok/s, MFU {100 * self.peak.mfu(self.fpt * tps):.3g}% "
+                f"over this start's {duration(wall_s)}; {step_tps:,.0f} tok/s, MFU "
+                f"{100 * self.peak.mfu(self.fpt * step_tps):.3g}% in its {pr.steps} steps alone "
+                f"({pr.step_s:.1f}s; no evaluations or saves)")
 
     def _simulation_report(self) -> Optional[Dict[str, Any]]:
         """A simulated rank's report (None otherwise): the saved checkpoint is loaded back first

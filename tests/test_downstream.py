@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -100,3 +101,36 @@ def test_the_cli_runs_generation_tasks_and_writes_json(run, tasks, tmp_path, cap
     with pytest.raises(SystemExit) as e:
         eval_main([str(out), "--tasks", "no_such_task", "--include-path", str(tasks)])
     assert e.value.code == 2 and "unknown task(s) ['no_such_task']" in capsys.readouterr().err
+
+
+def test_llama_eval_says_what_it_is_doing(run, tasks, capsys, monkeypatch):
+    """Issue 53: llama-eval printed nothing until its table; lm-eval's request-building bars
+    aside, a real task ran silent for minutes. Now a line per phase, one per kind of request
+    with its count per task, a progress line at least every PROGRESS_EVERY_S (30 s; 0 here:
+    after each batch or request) and one at its end, all on stderr."""
+    import llama_train.lm_eval_model as lm_model
+
+    monkeypatch.setattr(lm_model, "PROGRESS_EVERY_S", 0.0)
+    out, _ = run
+    eval_main([str(out), "--tasks", "lt_choice,lt_ppl,lt_gen", "--include-path", str(tasks),
+               "--batch-size", "4"])
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.splitlines() if line.startswith("llama-eval: ")]
+    assert err[0].startswith(f"llama-eval: loading {out} (cpu, fp32)")
+    assert err[1].startswith("llama-eval: loaded step 8 of")
+    assert err[1].endswith("indexing lm-eval's tasks")
+    assert re.match(r"llama-eval: lm-eval knows \d+ tasks", err[2])
+    assert err[3].startswith("llama-eval: evaluating lt_choice, lt_ppl, lt_gen")
+    kinds = {"loglikelihood": ("requests", "lt_choice 18", [4, 8, 12, 16]),  # 6 x 3 choices
+             "loglikelihood_rolling": ("documents", "lt_ppl 3", [1, 2]),
+             "generate_until": ("requests", "lt_gen 2", [1])}
+    for kind, (unit, per_task, steps) in kinds.items():
+        total = per_task.split()[-1]
+        assert f"llama-eval: {kind}: {total} {unit} ({per_task})" in err, (kind, err)
+        done = [int(m[1]) for m in (re.match(rf"llama-eval: {kind}: (\d+)/{total} {unit} in \d+s, "
+                                             rf"about \d+s left", line) for line in err) if m]
+        assert done == steps, (kind, err)
+        assert any(re.match(rf"llama-eval: {kind}: {total} {unit} done in [\d.]+s", line)
+                   for line in err), (kind, err)
+    assert re.match(r"llama-eval: evaluated 3 task\(s\) in [\d.]+s", err[-1])
+    assert not any(k in captured.out for k in ("loading", "done in", "knows"))  # stdout: results

@@ -30,7 +30,7 @@ MAY_CHANGE = {
     "data.tokenizer", "data.tokenizer_max_sentences", "data.tokenizer_max_line_bytes",
     "model.activation_checkpointing",
     "deepspeed.stage3_max_live_parameters", "deepspeed.stage3_max_reuse_distance",
-    "deepspeed.sub_group_size",
+    "deepspeed.sub_group_size", "deepspeed.extra",
 }
 MAY_CHANGE_GROUPS = ("recovery.", "sample.", "tracking.", "comm.")
 PER_LAUNCH = {"trainer.output_dir", "trainer.resume", "trainer.steps_this_run",

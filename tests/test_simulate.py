@@ -137,7 +137,7 @@ def test_a_simulated_rank_resumes_exactly_and_reports_every_phase(tmp_path):
     train(cfg_for(tmp_path / "split", *sim, "trainer.max_steps=4"))
     resumed = train(cfg_for(tmp_path / "split", *sim, "trainer.max_steps=6"))
     assert resumed["losses"] == {k: v for k, v in whole["losses"].items() if k > 4}
-    assert whole["sample"] == "The"  # the prompt alone: mirrored weights write nothing true
+    assert whole["sample"] is None  # no sample: mirrored weights write nothing true
 
     recorded = [r for r in rows(tmp_path / "whole") if "rank_loss" in r]
     assert [r["step"] for r in recorded] == list(range(1, 7))
@@ -165,6 +165,42 @@ def test_a_simulated_rank_resumes_exactly_and_reports_every_phase(tmp_path):
     resumed_info = json.loads((tmp_path / "split" / "run_info.json").read_text())
     names = [p["phase"] for p in resumed_info["simulation"]["phases"]]
     assert "load" in names and "step5 forward" in names and "step1 forward" not in names
+
+
+@pytest.mark.slow
+def test_a_simulated_rank_states_its_own_mfu_and_no_sample(tmp_path):
+    """A simulated rank is one process on one device: MFU against that device's peak (never N
+    devices'), of its own 1/N of each step's tokens, said at start; and the sample it switches
+    off leaves no "sample:" line and no sample.txt."""
+    import logging
+
+    from llama_train.model import flops_per_token
+
+    said = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("llama_train")
+    logger.addHandler(handler)
+    out = tmp_path / "out"
+    cfg = cfg_for(out, "trainer.max_steps=2", "trainer.save_every=1000",
+                  "trainer.eval_every=1000", "trainer.log_every=1", "trainer.peak_flops=1e12",
+                  "comm.simulate_ranks=64", "comm.simulate_rank=5")
+    try:
+        train(cfg)
+    finally:
+        logger.removeHandler(handler)
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["peak_flops"]["value"] == 1e12  # one device's, as given: not 64 x
+    fpt = flops_per_token(cfg.model, cfg.trainer.seq_len)
+    steps = [r for r in rows(out) if "rank_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:  # tokens_per_s is the job's (64 ranks at this one's pace): 1/64 is its own
+        assert math.isclose(r["mfu"], fpt * r["tokens_per_s"] / 64 / 1e12, rel_tol=1e-9)
+    start = next(m for m in said if m.startswith("model: "))
+    assert "MFU of this simulated rank (its 1/64 of each step's tokens" in start, start
+    assert "on one device against 1e+12 FLOP/s (trainer.peak_flops)" in start, start
+    assert not any(m.startswith("sample:") for m in said), [m for m in said if "sample" in m]
+    assert not (out / "sample.txt").exists()
 
 
 @pytest.mark.slow

@@ -270,6 +270,33 @@ def test_mode_null_is_online_iff_wandb_would_find_a_key(where, no_wandb_key, mon
     assert resolve_wandb_mode("disabled") == "disabled"
 
 
+def test_wandb_project_and_entity_come_from_the_environment_unless_configured(
+        tmp_path, no_wandb_key, monkeypatch, caplog):
+    """WANDB_PROJECT / WANDB_ENTITY, as every W&B tool reads them, name where a run goes when
+    the config does not (tracking.wandb.project is null by default); the config wins; neither
+    set: our project and W&B's default entity. An offline run records what it was given."""
+    monkeypatch.setenv("WANDB_PROJECT", "env-project-q7")
+    monkeypatch.setenv("WANDB_ENTITY", "env-team-q7")
+    caplog.set_level(logging.INFO, logger="llama_train")
+    t = Tracker(_cfg(mode="offline"), str(tmp_path / "run"), rank=0)
+    t.start()
+    # the run W&B made holds them (its offline file is written by W&B's service, asynchronously:
+    # read right after finish() it was sometimes only its header, under load)
+    assert (t._wandb.project, t._wandb.entity) == ("env-project-q7", "env-team-q7")
+    t.log(1, {"loss": 3.0})
+    t.finish()
+    assert any("project env-project-q7, entity env-team-q7" in r.getMessage()
+               for r in caplog.records)
+    from llama_train.tracking import resolve_wandb_target
+
+    assert cfg_for(tmp_path).tracking.wandb.project is None
+    given = WandbConfig(mode="offline", project="ci", entity="team")
+    assert resolve_wandb_target(given) == ("ci", "team")
+    monkeypatch.delenv("WANDB_PROJECT")
+    monkeypatch.delenv("WANDB_ENTITY")
+    assert resolve_wandb_target(WandbConfig()) == ("llama_train", None)
+
+
 def _dry_run(command: str, cwd: Path, home: Path) -> subprocess.CompletedProcess:
     """The printed command with --dry-run added: wandb parses it and lists what it would
     upload, without an API key or the network."""

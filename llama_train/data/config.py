@@ -5,6 +5,7 @@ its errors: every other module of it reads this one."""
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
@@ -112,8 +113,11 @@ class DataConfig:
     text_sample_by: str = "document"
     """For .txt files: one document per `document` (file), `paragraph` or `line`."""
     tokenizer: Optional[str] = may_change(None)
-    """Path to a SentencePiece .model. None: train one of the model's vocab size on the source
-    and store it with the shards (prepared_dir/tokenizer.model)."""
+    """Path to a SentencePiece .model, a Hugging Face tokenizer.json, or a directory holding
+    either (a Hugging Face model's: read as the file in it, see tokenizer.tokenizer_file_in).
+    A SentencePiece model's size must be model.vocab_size; a tokenizer.json's may be smaller.
+    None: train a SentencePiece one of the model's vocab size on the source. Either way it is
+    stored with the shards (prepared_dir/tokenizer.model or tokenizer.json)."""
     tokenizer_max_sentences: int = may_change(1_000_000)
     """Cap on the lines used to train a tokenizer (speed)."""
     tokenizer_max_line_bytes: int = may_change(16384)
@@ -148,6 +152,12 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         self.mixture = as_entries(self.mixture)
+        if self.tokenizer is not None and os.path.isdir(os.path.expanduser(str(self.tokenizer))):
+            from .tokenizer import tokenizer_file_in  # reads a byte: no tokenizer loaded
+
+            found = tokenizer_file_in(os.path.expanduser(str(self.tokenizer)))
+            if found is not None:  # none: loading the directory says so, naming this key
+                self.tokenizer = str(found)
         self.validate()
 
     def validate(self) -> None:

@@ -11,19 +11,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .errors import DataError
-from .tokenizer import MAX_LINE_BYTES, Tokenizer
+from .tokenizer import HUGGINGFACE, MAX_LINE_BYTES, Tokenizer, fits, size_error
 
 if TYPE_CHECKING:
     from .config import DataConfig
 
 META_FILE = "meta.json"
-TOKENIZER_FILE = "tokenizer.model"
+TOKENIZER_FILE = "tokenizer.model"  # a Hugging Face tokenizer's copy: tokenizer.json (its "file")
 FORMAT = "llama_train.packed_tokens"
 VERSION = 1
 _REQUIRED = ("format", "version", "dtype", "vocab_size", "tokenizer", "splits", "fingerprint")
 UINT16_MAX_VOCAB = 65535
 # Bump when the tokenizer training recipe changes: part of the fingerprint of trained tokenizers.
 TOKENIZER_RECIPE = 1
+# The most pieces a tokenizer trained on a built-in corpus can have: SentencePiece's own limit
+# (its distinct pieces) was 60,383 on the Python 3.11 docs and 193,504 on the stdlib, at the
+# default data.tokenizer_max_sentences; rounded up, for other Python versions' text. Above it,
+# training fails inside SentencePiece after the corpus is read: refused at once instead.
+BUILTIN_MAX_VOCAB = {"builtin": 65536, "stdlib": 262144}
 
 
 @dataclass
@@ -52,25 +57,26 @@ def resolve_dtype(dtype: str, vocab_size: int) -> str:
 
 
 def tokenizer_settings(cfg: DataConfig, vocab_size: Optional[int]) -> tuple:
-    """(vocab_size, what identifies the tokenizer): data.tokenizer's sha256 (its size must be the
-    model's), or the recipe of the one to train, of the model's vocab_size. Part of the
-    fingerprint of prepared data and of mixtures."""
+    """(vocab_size, what identifies the tokenizer): data.tokenizer's sha256 and size (which must
+    fit the model's: tokenizer.fits), or the recipe of the one to train, of the model's
+    vocab_size (refused at once where the source is a built-in corpus too small for it). Part
+    of the fingerprint of prepared data and of mixtures. The vocab_size returned is the
+    tokenizer's: the ids' bound, what meta.json records."""
     if cfg.tokenizer is not None:
         tok = Tokenizer(cfg.tokenizer)
-        if vocab_size is not None and tok.vocab_size != vocab_size:
-            raise DataError(
-                f"data.tokenizer={cfg.tokenizer!r} has vocab_size={tok.vocab_size} but "
-                f"model.vocab_size={vocab_size}: set model.vocab_size={tok.vocab_size} or use "
-                "a tokenizer of the model's size"
-            )
+        if vocab_size is not None and size_error(tok, vocab_size):
+            raise DataError(size_error(tok, vocab_size))
         vocab_size = tok.vocab_size
         tok_settings: dict = {"sha256": tok.sha256, "vocab_size": vocab_size}
+        if tok.kind == HUGGINGFACE:  # a SentencePiece tokenizer's settings keep their old hash
+            tok_settings.update(kind=tok.kind, bos_id=tok.bos_id, eos_id=tok.eos_id)
     else:
         if vocab_size is None:
             raise DataError(
                 "no data.tokenizer given and no vocab_size to train one with: pass the model's "
                 "vocab_size (llama-data prepare --vocab-size N) or set data.tokenizer"
             )
+        _check_trainable(cfg, int(vocab_size))
         tok_settings = {
             "train_vocab_size": int(vocab_size),
             "max_sentences": cfg.tokenizer_max_sentences,
@@ -79,6 +85,29 @@ def tokenizer_settings(cfg: DataConfig, vocab_size: Optional[int]) -> tuple:
         if cfg.tokenizer_max_line_bytes != MAX_LINE_BYTES:  # the default keeps the names of before
             tok_settings["max_line_bytes"] = cfg.tokenizer_max_line_bytes
     return int(vocab_size), tok_settings
+
+
+def _check_trainable(cfg: DataConfig, vocab_size: int) -> None:
+    """A tokenizer of ``vocab_size`` pieces cannot be trained on a built-in corpus above
+    :data:`BUILTIN_MAX_VOCAB`: a Llama 3 preset (128,256) without data.tokenizer failed inside
+    SentencePiece ("<= 60383"), a minute in. Other sources are only known once read."""
+    sources = [e.source for e in cfg.mixture] if cfg.mixture else [cfg.source]
+    if not all(s in BUILTIN_MAX_VOCAB for s in sources):
+        return
+    limit = max(BUILTIN_MAX_VOCAB[s] for s in sources)
+    if vocab_size <= limit:
+        return
+    where = (f"data.source={cfg.source}" if not cfg.mixture else
+             f"data.mixture (sources {', '.join(sorted(set(sources)))})")
+    raise DataError(
+        f"no data.tokenizer is given, and a tokenizer of model.vocab_size={vocab_size} pieces "
+        f"cannot be trained on {where}: the built-in corpus has too few distinct pieces "
+        f"(SentencePiece's limit on it is below {limit:,}). Set data.tokenizer to the model's "
+        f"own tokenizer: a Hugging Face "
+        f"tokenizer.json, or the directory holding it (for Llama 3: a download of "
+        f"meta-llama/Meta-Llama-3-8B or a llama-export directory), or a SentencePiece .model of "
+        f"{vocab_size} pieces; or train on a larger data.source; or use a smaller "
+        f"model.vocab_size")
 
 
 def read_meta(prepared_dir: Union[str, os.PathLike]) -> dict:
@@ -136,7 +165,7 @@ def check_compatible(
     """
     m = _as_meta(meta)
     data_vocab = int(m["vocab_size"])
-    if data_vocab != int(vocab_size):
+    if not fits(m["tokenizer"].get("kind"), data_vocab, int(vocab_size)):
         raise DataError(
             f"data.meta vocab_size={data_vocab} but model.vocab_size={vocab_size}: use the "
             f"tokenizer trained for this model (data.tokenizer) or set model.vocab_size={data_vocab}"
@@ -146,7 +175,7 @@ def check_compatible(
         raise DataError(
             f"the prepared data was tokenized with tokenizer sha256={data_sha[:16]}... but the "
             f"model/checkpoint expects sha256={tokenizer_sha256[:16]}...: prepare the data with "
-            "the checkpoint's tokenizer (data.tokenizer=<its tokenizer.model>)"
+            "the checkpoint's tokenizer (data.tokenizer=<its tokenizer.model or .json>)"
         )
     if seq_len < 1:
         raise DataError(f"seq_len={seq_len} must be >= 1")

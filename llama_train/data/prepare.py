@@ -2,7 +2,8 @@
 
 Layout of a prepared directory:
 
-    tokenizer.model          the SentencePiece model the tokens were made with
+    tokenizer.model          the SentencePiece model the tokens were made with (a Hugging Face
+                             tokenizer: tokenizer.json, its copy; meta.json names the file)
     train-00000.bin ...      flat token ids (uint16/uint32), documents back to back, EOS after each
     val-00000.bin ...        the held-out documents, same format
     train-00000.crc32 ...    crc32 of every 256 KiB block of the shard beside it (uint32 LE)
@@ -137,7 +138,8 @@ def _result(d: Path, meta: dict, created: bool, verify: bool = False) -> Prepare
 
         for split in meta["splits"]:
             PackedTokens(d, split, verify=True)
-    return PreparedData(dir=str(d), tokenizer_path=str(d / TOKENIZER_FILE), meta=meta, created=created)
+    tok_file = meta["tokenizer"].get("file") or TOKENIZER_FILE
+    return PreparedData(dir=str(d), tokenizer_path=str(d / tok_file), meta=meta, created=created)
 
 
 # --- the entry point --------------------------------------------------------------------------
@@ -221,8 +223,9 @@ def prepare_data(cfg: Any, vocab_size: Optional[int] = None) -> PreparedData:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        log.info("prepared data in %s (tokenizer %s)", final, final / TOKENIZER_FILE)
-        return _result(final, meta, created=True)
+        result = _result(final, meta, created=True)
+        log.info("prepared data in %s (tokenizer %s)", final, result.tokenizer_path)
+        return result
     finally:
         lock.release()
 
@@ -235,9 +238,16 @@ def _prepare_into(
     tok, trained = _tokenizer_into(out, cfg, source, vocab_size)
     t_tok = time.perf_counter() - t0
     num_proc = num_processes(cfg, source)
+    n_docs = source.num_documents()
+    n_bytes = source.approx_bytes() if not cfg.max_documents else None  # of the whole source
+    log.info("tokenizing data.source=%s: %s documents%s with the %d-token %s tokenizer, %d "
+             "process(es)", cfg.source, f"{n_docs:,}" if n_docs is not None else "(streamed)",
+             f", ~{n_bytes / 1e6:,.1f} MB" if n_bytes is not None else "", tok.vocab_size,
+             tok.kind, num_proc)
     t1 = time.perf_counter()
     # BLOCK_BYTES read here, at call time: tests set this module's to write small blocks
-    splits, docs = encode_into(out, cfg, source, dtype, num_proc, BLOCK_BYTES)
+    splits, docs = encode_into(out, cfg, source, dtype, num_proc, BLOCK_BYTES,
+                               tokenizer_file=tok.file_name)
     t_enc = time.perf_counter() - t1
     _check_documents(cfg, docs, splits)
     meta = {
@@ -252,7 +262,8 @@ def _prepare_into(
         "add_bos": cfg.add_bos,
         "eos_appended": True,
         "tokenizer": {
-            "file": TOKENIZER_FILE,
+            "file": tok.file_name,
+            "kind": tok.kind,
             "sha256": tok.sha256,
             "vocab_size": tok.vocab_size,
             "bos_id": tok.bos_id,
@@ -295,13 +306,18 @@ def _prepare_into(
 
 
 def _tokenizer_into(out: Path, cfg: DataConfig, source: Source, vocab_size: int):
-    """The given tokenizer copied into ``out``, or one trained there; (Tokenizer, trained)."""
+    """The given tokenizer copied into ``out`` (as tokenizer.model, or tokenizer.json for a
+    Hugging Face one), or one trained there; (Tokenizer, trained)."""
     tok_path = out / TOKENIZER_FILE
     if cfg.tokenizer is not None:
-        shutil.copyfile(cfg.tokenizer, tok_path)
+        given = Tokenizer(cfg.tokenizer)
+        tok_path = out / given.file_name
+        shutil.copyfile(given.path, tok_path)
         trained = False
     else:
-        log.info("training a %d-piece tokenizer on %s", vocab_size, cfg.source)
+        log.info("training a %d-piece tokenizer on %s (the first %s non-empty lines at most)",
+                 vocab_size, cfg.source, f"{cfg.tokenizer_max_sentences:,}"
+                 if cfg.tokenizer_max_sentences else "all")
         model = train_tokenizer(
             source.iter_texts(), vocab_size, out / "tokenizer",
             max_sentences=cfg.tokenizer_max_sentences, seed=cfg.seed,

@@ -60,7 +60,9 @@ def is_val(j: int, frac: Fraction) -> bool:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(model_path: str, add_bos: bool, dtype: str) -> None:
+def _init_worker(model_path: str, add_bos: bool, dtype: str, one_thread: bool = False) -> None:
+    if one_thread:  # one of num_proc workers: a Hugging Face tokenizer's own threads oversubscribe
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tok = Tokenizer(model_path)
     _WORKER.update(tok=tok, add_bos=add_bos, dtype=np.dtype(dtype))
 
@@ -71,7 +73,7 @@ def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
     A document that encodes to no tokens gets length 0 and contributes nothing (not even EOS).
     """
     tok: Tokenizer = _WORKER["tok"]
-    ids = tok.sp.encode(texts)
+    ids = tok.encode_batch(texts)
     pre = [tok.bos_id] if _WORKER["add_bos"] else []
     eos = [tok.eos_id]
     lengths = np.fromiter(
@@ -106,7 +108,7 @@ def encoded_chunks(source: Source, model_path: str, add_bos: bool, dtype: str, n
             max_workers=num_proc,
             mp_context=mp.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(model_path, add_bos, dtype),
+            initargs=(model_path, add_bos, dtype, True),
         ) as pool:
             pending: deque = deque()
             for texts in batches:
@@ -218,9 +220,9 @@ class ShardWriter:
 
 
 def encode_into(out: Path, cfg: DataConfig, source: Source, dtype: str, num_proc: int,
-                block_bytes: int = BLOCK_BYTES):
-    """Tokenize every document of ``source`` with ``out``'s tokenizer into its train/val shards;
-    (split summaries, document counts)."""
+                block_bytes: int = BLOCK_BYTES, tokenizer_file: str = TOKENIZER_FILE):
+    """Tokenize every document of ``source`` with ``out``'s tokenizer (``tokenizer_file`` in it)
+    into its train/val shards; (split summaries, document counts)."""
     from tqdm.auto import tqdm
 
     writers = {s: ShardWriter(out, s, dtype, cfg.shard_tokens, block_bytes) for s in SPLITS}
@@ -229,7 +231,7 @@ def encode_into(out: Path, cfg: DataConfig, source: Source, dtype: str, num_proc
     bar = tqdm(total=source.num_documents(), unit="doc", desc=f"tokenizing {source.name}",
                mininterval=1.0, dynamic_ncols=True)
     try:
-        chunks = encoded_chunks(source, str(out / TOKENIZER_FILE), cfg.add_bos, dtype, num_proc)
+        chunks = encoded_chunks(source, str(out / tokenizer_file), cfg.add_bos, dtype, num_proc)
         for (flat, lengths, nb), n in chunks:
             docs["read"] += n
             docs["bytes"] += nb

@@ -1,19 +1,33 @@
-"""SentencePiece BPE tokenizer, trained and used the way LLaMA does.
+"""The tokenizer: SentencePiece BPE trained and used the way LLaMA does, or a Hugging Face
+``tokenizer.json`` (Llama 3's 128,256-piece tiktoken-style BPE is not SentencePiece), behind one
+interface, :class:`Tokenizer`.
 
-Settings that matter for exact round trips: identity normalization and no whitespace
+SentencePiece settings that matter for exact round trips: identity normalization and no whitespace
 collapsing (so `decode(encode(s)) == s` for any text), byte fallback (characters outside the
 vocabulary become UTF-8 byte pieces instead of <unk>), digits split one per token.
 Special ids: unk=0, bos=1, eos=2, pad=-1 (no pad piece, as in LLaMA: data is packed, so
 nothing is ever padded; use ignore_index in the loss if a caller pads).
+
+A Hugging Face tokenizer is read through the ``tokenizers`` library (no transformers). Its
+text is encoded with no added special tokens and special-token strings in the text taken as
+text (as Meta's Llama 3 encoder does), so a document holding "<|end_of_text|>" cannot end early.
+BOS and EOS are read from the tokenizer.json alone (it is what travels with the shards,
+checkpoints and exports): the special tokens its post-processor puts before and after the text,
+else the first of :data:`BOS_NAMES` / :data:`EOS_NAMES` among its special tokens. No EOS is an
+error: every document ends with one in packing.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Optional
 
 from .errors import DataError
 
@@ -27,6 +41,19 @@ UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, -1
 # "INTERNAL ... [!sentences_.empty()]".
 MAX_LINE_BYTES = 16384
 
+SENTENCEPIECE, HUGGINGFACE = "sentencepiece", "huggingface"
+# The name each kind is kept under beside the shards and in an export.
+FILE_NAMES = {SENTENCEPIECE: "tokenizer.model", HUGGINGFACE: "tokenizer.json"}
+# The document-end and -start specials of the tokenizers LLaMA-family and other open models ship
+# (Llama 3; Llama 2 and Mistral; GPT-2, NeoX, Qwen, Phi; Gemma), in the order they are tried.
+EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
+# llama-export's key in tokenizer_config.json naming the file that is the tokenizer the weights
+# were trained with: a SentencePiece export's tokenizer.json is only a conversion of it.
+EXPORT_KEY = "llama_train_tokenizer"
+# Seconds between progress lines of a step that is otherwise silent (tokenizer training).
+PROGRESS_EVERY_S = 20.0
+
 
 def file_sha256(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
@@ -36,59 +63,191 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def _is_json(path: Path) -> bool:
+    """A Hugging Face tokenizer.json (JSON), not a SentencePiece model (protobuf, whose first
+    byte is never "{"): told by content, as a checkpoint keeps either as tokenizer.model."""
+    if path.suffix == ".json":
+        return True
+    with open(path, "rb") as f:
+        return f.read(64).lstrip()[:1] == b"{"
+
+
+def tokenizer_file_in(directory: str | os.PathLike) -> Optional[Path]:
+    """The tokenizer file of a model directory (a Hugging Face one, llama-export's): the file its
+    tokenizer_config.json names as the weights' own (llama-export's :data:`EXPORT_KEY`; missing:
+    None), else ``tokenizer.model`` where it is SentencePiece (not Llama 3's tiktoken text file
+    of that name), else ``tokenizer.json``; None if there is none. Reads no more than a byte of
+    each: loading is the caller's, with its own message."""
+    d = Path(directory)
+    try:
+        named = json.loads((d / "tokenizer_config.json").read_text()).get(EXPORT_KEY)
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named:
+        return d / named if (d / named).is_file() else None
+    model = d / FILE_NAMES[SENTENCEPIECE]
+    if model.is_file():
+        with open(model, "rb") as f:
+            if f.read(1) == b"\n":  # protobuf field 1 (the pieces): a SentencePiece model
+                return model
+    hf = d / FILE_NAMES[HUGGINGFACE]
+    return hf if hf.is_file() else None
+
+
+def _template_specials(post: Optional[dict]) -> tuple:
+    """(token before, token after) the text in a post-processor's single-sequence template."""
+    if not isinstance(post, dict):
+        return None, None
+    kind = post.get("type")
+    if kind == "Sequence":
+        for p in post.get("processors", []):
+            found = _template_specials(p)
+            if found != (None, None):
+                return found
+    elif kind == "TemplateProcessing":
+        items = [next(iter(i.items())) for i in post.get("single", [])]
+        kinds = [k for k, _ in items]
+        at = kinds.index("Sequence") if "Sequence" in kinds else 0
+        before = [v["id"] for k, v in items[:at] if k == "SpecialToken"]
+        after = [v["id"] for k, v in items[at + 1:] if k == "SpecialToken"]
+        return (before[-1] if before else None), (after[0] if after else None)
+    elif kind in ("BertProcessing", "RobertaProcessing"):
+        return post["cls"][0], post["sep"][0]
+    return None, None
+
+
 class Tokenizer:
-    """A loaded SentencePiece model plus the facts the pipeline checks (ids, size, sha256)."""
+    """A loaded tokenizer, SentencePiece (a .model) or Hugging Face (a tokenizer.json, or a
+    directory holding one), plus the facts the pipeline checks: ``kind``, the special ids, the
+    size and the sha256 of the file. One interface for both."""
 
     def __init__(self, model_path: str | os.PathLike):
-        import sentencepiece as spm
-
-        self.path = str(model_path)
-        if not Path(self.path).is_file():
+        p = Path(model_path).expanduser()
+        if p.is_dir():
+            found = tokenizer_file_in(p)
+            if found is None:
+                raise DataError(
+                    f"tokenizer directory {str(p)!r} holds no tokenizer: set data.tokenizer to a "
+                    "SentencePiece .model, a Hugging Face tokenizer.json or a directory holding "
+                    "one (a Hugging Face model's), or leave it null to train one")
+            p = found
+        self.path = str(p)
+        if not p.is_file():
             raise DataError(
                 f"tokenizer model {self.path!r} does not exist: set data.tokenizer to a "
-                "SentencePiece .model file, or leave it null to train one"
+                "SentencePiece .model file or a Hugging Face tokenizer.json, or leave it null to "
+                "train one"
             )
+        self.sp = self.hf = None
+        self._sha256: str | None = None
+        if _is_json(p):
+            self.kind = HUGGINGFACE
+            self._ids = self._load_hf()
+            return
+        import sentencepiece as spm
+
+        self.kind = SENTENCEPIECE
         try:
             self.sp = spm.SentencePieceProcessor(model_file=self.path)
         except Exception as e:  # sentencepiece raises RuntimeError/OSError with C++ text
             raise DataError(f"tokenizer model {self.path!r} is not a SentencePiece model: {e}") from e
-        self._sha256: str | None = None
+        self._ids = {"vocab_size": self.sp.get_piece_size(), "bos": self.sp.bos_id(),
+                     "eos": self.sp.eos_id(), "pad": self.sp.pad_id(), "unk": self.sp.unk_id()}
+
+    def _load_hf(self) -> dict:
+        """Load a tokenizer.json; its size and special ids (-1: none)."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        bad = f"tokenizer {self.path!r} is not a Hugging Face tokenizer.json"
+        try:
+            text = Path(self.path).read_text(encoding="utf-8")
+            spec = json.loads(text)
+            self.hf = HFTokenizer.from_str(text)
+        except Exception as e:  # noqa: BLE001 - JSON or the tokenizers library's own errors
+            raise DataError(f"{bad}: {str(e).splitlines()[0][:300]}") from None
+        if not isinstance(spec, dict):
+            raise DataError(f"{bad}: not a JSON object")
+        # the whole text, always: a tokenizer.json may carry truncation or padding settings
+        self.hf.no_truncation()
+        self.hf.no_padding()
+        self.hf.encode_special_tokens = True  # "<|end_of_text|>" in a document is text
+        special = {t["content"]: t["id"] for t in spec.get("added_tokens") or []
+                   if isinstance(t, dict) and t.get("special")}
+        size = max([self.hf.get_vocab_size(with_added_tokens=True),
+                    *(i + 1 for i in special.values())])
+
+        def pick(template: Optional[str], names: tuple) -> int:
+            if template is not None and self.hf.token_to_id(template) is not None:
+                return self.hf.token_to_id(template)
+            return next((special[n] for n in names if n in special), -1)
+
+        before, after = _template_specials(spec.get("post_processor"))
+        bos, eos = pick(before, BOS_NAMES), pick(after, EOS_NAMES)
+        if eos < 0:
+            raise DataError(
+                f"tokenizer {self.path!r} (data.tokenizer) has no end-of-text token: documents "
+                f"end with one in packing, and its post-processor appends none and none of "
+                f"{', '.join(EOS_NAMES)} is among its special tokens "
+                f"({', '.join(sorted(special)[:8]) or 'none'}). Add it as a special token "
+                "(tokenizer.add_special_tokens([...]) in the tokenizers library) and save the "
+                "tokenizer.json again")
+        unk = (spec.get("model") or {}).get("unk_token")
+        unk_id = self.hf.token_to_id(unk) if isinstance(unk, str) else None
+        pad = (spec.get("padding") or {}).get("pad_id")
+        return {"vocab_size": int(size), "bos": bos, "eos": eos,
+                "pad": pad if isinstance(pad, int) else -1,
+                "unk": unk_id if unk_id is not None else -1}
 
     # --- the ids ---------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
-        return self.sp.get_piece_size()
+        """Ids are below it: a tokenizer.json's added tokens (Llama 3's 256 specials) count."""
+        return self._ids["vocab_size"]
 
     @property
     def bos_id(self) -> int:
-        return self.sp.bos_id()
+        return self._ids["bos"]
 
     @property
     def eos_id(self) -> int:
-        return self.sp.eos_id()
+        return self._ids["eos"]
 
     @property
     def pad_id(self) -> int:
-        return self.sp.pad_id()
+        return self._ids["pad"]
 
     @property
     def unk_id(self) -> int:
-        return self.sp.unk_id()
+        return self._ids["unk"]
+
+    @property
+    def file_name(self) -> str:
+        """The name it is kept under beside the shards: tokenizer.model or tokenizer.json."""
+        return FILE_NAMES[self.kind]
+
+    def id_to_token(self, i: int) -> Optional[str]:
+        """The piece (SentencePiece) or token (Hugging Face) of id ``i``."""
+        return self.sp.id_to_piece(i) if self.sp is not None else self.hf.id_to_token(i)
 
     @property
     def sha256(self) -> str:
-        """Content hash of the .model file: what shards and checkpoints record."""
+        """Content hash of the file (.model or tokenizer.json): what shards and checkpoints
+        record."""
         if self._sha256 is None:
             self._sha256 = file_sha256(self.path)
         return self._sha256
 
     # --- encode / decode -------------------------------------------------------------------
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        ids = self.sp.encode(text)
+        ids = (self.sp.encode(text) if self.sp is not None
+               else self.hf.encode(text, add_special_tokens=False).ids)
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
     def encode_batch(self, texts: list[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
-        out = self.sp.encode(list(texts))
+        if self.sp is not None:
+            out = self.sp.encode(list(texts))
+        else:
+            out = [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
         if bos or eos:
             pre = [self.bos_id] if bos else []
             post = [self.eos_id] if eos else []
@@ -96,10 +255,41 @@ class Tokenizer:
         return out
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self.sp.decode([int(i) for i in ids])
+        """Text of ``ids``; special tokens (BOS, EOS) leave none, as in SentencePiece."""
+        ids = [int(i) for i in ids]
+        if self.sp is not None:
+            return self.sp.decode(ids)
+        return self.hf.decode(ids, skip_special_tokens=True)
 
     def __repr__(self) -> str:
-        return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"
+        return (f"Tokenizer({self.path!r}, {self.kind}, vocab_size={self.vocab_size}, "
+                f"sha256={self.sha256[:12]})")
+
+
+def fits(kind: Optional[str], tokenizer_size: int, vocab_size: int) -> bool:
+    """Whether a tokenizer's ids feed a model of ``vocab_size``. A SentencePiece tokenizer's
+    size must be the model's (it is trained, or padded, to that size); a Hugging Face one's may
+    be smaller (the extra embedding rows never see a token, as in models whose published
+    vocabulary is padded beyond their tokenizer's). ``kind`` None: SentencePiece (meta.json
+    written before Hugging Face tokenizers)."""
+    if kind == HUGGINGFACE:
+        return tokenizer_size <= vocab_size
+    return tokenizer_size == vocab_size
+
+
+def size_error(tok: "Tokenizer", vocab_size: int, key: str = "data.tokenizer") -> Optional[str]:
+    """None where ``tok`` fits ``vocab_size`` (:func:`fits`), else the refusal: both sizes and
+    the fix, naming ``key`` (the setting that chose the tokenizer)."""
+    if fits(tok.kind, tok.vocab_size, vocab_size):
+        return None
+    if tok.kind == HUGGINGFACE:
+        return (f"{key}={tok.path} has {tok.vocab_size} tokens (special tokens included) but "
+                f"model.vocab_size={vocab_size}: token ids would fall outside the embedding. Set "
+                f"model.vocab_size={tok.vocab_size} (or larger: the extra rows stay unused), or "
+                f"use the model's own tokenizer")
+    return (f"{key}={tok.path} has vocab_size={tok.vocab_size} but model.vocab_size="
+            f"{vocab_size}: set model.vocab_size={tok.vocab_size} or use a tokenizer of the "
+            f"model's size (a SentencePiece model must match it exactly)")
 
 
 def _normalized_model(proto: bytes) -> bytes:
@@ -132,6 +322,28 @@ def _numbered_lines(texts: Iterable[str], max_sentences: int) -> Iterator[tuple]
             n += 1
             if max_sentences and n >= max_sentences:
                 return
+
+
+class _Progress:
+    """A log line every :data:`PROGRESS_EVERY_S` seconds, from a thread, while a step that says
+    nothing runs (SentencePiece's training releases the GIL): ``say()`` is the line. Why: on a
+    large corpus tokenizer training was minutes of silence, read as a hang."""
+
+    def __init__(self, say):
+        self.say, self._stop = say, threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tokenizer-progress", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(PROGRESS_EVERY_S):
+            log.info("%s", self.say())
+
+    def __enter__(self) -> "_Progress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class _LongLines:
@@ -219,7 +431,7 @@ def train_tokenizer(
         )
     prefix = str(model_prefix)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    counted = {"sentences": 0}
+    counted = {"sentences": 0, "all_read": False}
     source_error: list[BaseException] = []
     long = _LongLines(max_line_bytes, where or (lambda doc, i: f"line {i} of document {doc}"))
 
@@ -232,17 +444,30 @@ def train_tokenizer(
                 counted["sentences"] += 1
                 if not long.too_long(doc, i, s):  # SentencePiece would skip it: the same model
                     yield s
+            counted["all_read"] = True
         except Exception as e:
             source_error.append(e)
             raise
 
+    t0 = time.perf_counter()
+
+    def progress() -> str:
+        n, s = counted["sentences"], time.perf_counter() - t0
+        if not n:
+            return f"tokenizer training on {source}: opening the source ({s:.0f} s)"
+        if not counted["all_read"]:
+            return f"tokenizer training on {source}: {n:,} lines read ({s:.0f} s)"
+        return (f"tokenizer training on {source}: learning {vocab_size:,} pieces from {n:,} "
+                f"lines ({s:.0f} s)")
+
     spm.set_random_generator_seed(seed)
     writer = io.BytesIO()
     try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=sentences(), model_writer=writer, vocab_size=vocab_size,
-            num_threads=num_threads or os.cpu_count() or 1, max_sentence_length=max_line_bytes,
-            **_TRAINER_SETTINGS)
+        with _Progress(progress):
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=sentences(), model_writer=writer, vocab_size=vocab_size,
+                num_threads=num_threads or os.cpu_count() or 1,
+                max_sentence_length=max_line_bytes, **_TRAINER_SETTINGS)
     except RuntimeError as e:
         if source_error:
             raise source_error[0] from None
@@ -263,7 +488,8 @@ def train_tokenizer(
         f.write(_normalized_model(writer.getvalue()))
     os.replace(tmp, path)
     # no path: it is usually a temporary directory; the caller names the final one
-    log.info("trained a %d-piece tokenizer on %d lines", vocab_size, counted["sentences"])
+    log.info("trained a %d-piece tokenizer on %d lines in %.1f s", vocab_size,
+             counted["sentences"], time.perf_counter() - t0)
     return path
 
 

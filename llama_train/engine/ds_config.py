@@ -1,9 +1,11 @@
 """Our sub-configs translated into DeepSpeed's JSON config: every DeepSpeed setting is decided
-here, from ``DeepSpeedConfig``, ``OptimConfig`` and the batch plan (no DeepSpeed import: the
-result is a plain dict)."""
+here, from ``DeepSpeedConfig``, ``OptimConfig`` and the batch plan, with ``deepspeed.extra``
+(raw DeepSpeed keys we do not model) merged last (no DeepSpeed import: the result is a plain
+dict)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict
 
 import torch
@@ -53,7 +55,20 @@ def build_ds_config(ds: DeepSpeedConfig, optim: OptimConfig, batch: BatchPlan,
         cfg["bf16"] = {"enabled": True}
     elif precision == "fp16":
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
-    return cfg
+    return merge_extra(cfg, ds.extra)
+
+
+def merge_extra(cfg: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
+    """``deepspeed.extra`` merged into ``cfg`` last, in a copy: dicts merge key by key, anything
+    else (a number, a list) replaces. The keys we set were refused when the config was loaded
+    (:data:`llama_train.config.DEEPSPEED_OWNED`)."""
+    out = copy.deepcopy(cfg)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_extra(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
 
 
 def _zero_optimization(ds: DeepSpeedConfig, device_type: str, model_dim: int) -> Dict[str, Any]:

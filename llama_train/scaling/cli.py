@@ -151,7 +151,6 @@ def _cmd_model_info(ns: argparse.Namespace) -> Dict[str, Any]:
                       ["embedding", f"{c['embedding']:,}", _si(c["embedding"])],
                       ["non-embedding", f"{c['non_embedding']:,}", _si(c["non_embedding"])]],
                      ["parameters", "count", ""]))
-        print(f"meta-device build: {res['meta_param_count']:,} params in {res['meta_build_seconds']:.2f}s")
         print(f"training FLOPs/token at seq_len {res['seq_len']}: {res['flops_per_token']:.4g}")
         st = res["model_state"]
         print(f"\nmodel states per GPU: ZeRO-{ns.zero_stage}, {ns.world_size} rank(s)"

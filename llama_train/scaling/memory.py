@@ -1,12 +1,13 @@
 """The memory model: parameter/FLOP counts of a model, model-state bytes per GPU under each ZeRO
 stage (Rajbhandari et al. 2020) and activation bytes per micro-batch (after Korthikanti et al. 2022).
 
-torch is imported lazily, inside the functions that build or count a model.
+Plain Python: counts and shapes come from :mod:`llama_train.model_args`, no model is built
+(``llama-plan model-info`` imports torch only for DeepSpeed's estimator).
 """
 
 from __future__ import annotations
 
-import time
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple, Union
@@ -14,14 +15,14 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple, Union
 from llama_train.scaling.laws import ScalingError
 
 if TYPE_CHECKING:
-    from llama_train.model import ModelArgs
+    from llama_train.model_args import ModelArgs
 
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def _resolve_args(model: Union["ModelArgs", str, Path]) -> "ModelArgs":
-    from llama_train.model import ModelArgs, load_preset
+    from llama_train.model_args import ModelArgs, load_preset
 
     if isinstance(model, ModelArgs):
         return model
@@ -72,7 +73,7 @@ def model_memory(
     breakdown {master_params, exp_avg, exp_avg_sq} of optimizer_states, to compare with the
     engine's real optimizer tensors; plus n_params (Ψ) and the settings.
     """
-    from llama_train.model import count_params
+    from llama_train.model_args import count_params
 
     args = _resolve_args(args)
     p = _check_dtype(dtype)
@@ -238,20 +239,13 @@ def model_info(
     attention: str = "sdpa",
     sequence_parallel: int = 1,
 ) -> Dict[str, Any]:
-    """Params, FLOPs/token, model-state and activation memory, with a meta-device build;
-    ``world_size`` counts every rank (ZeRO partitions over all of them), ``sequence_parallel``
-    how many share each sequence."""
-    import torch
-
-    from llama_train.model import Transformer, count_params, flops_per_token
+    """Params, FLOPs/token, model-state and activation memory, counted from the shape (no
+    model is built); ``world_size`` counts every rank (ZeRO partitions over all of them),
+    ``sequence_parallel`` how many share each sequence."""
+    from llama_train.model_args import count_params, flops_per_token
 
     args = _resolve_args(model)
     s = args.max_seq_len if seq_len is None else int(seq_len)
-    t0 = time.perf_counter()
-    with torch.device("meta"):
-        net = Transformer(args)
-    meta_params = sum(prm.numel() for prm in net.parameters())  # a tied matrix is yielded once
-    build_s = time.perf_counter() - t0
     counts = count_params(args)
     states = {dt: model_memory(args, zero_stage, world_size, dt, offload_optimizer) for dt in ("bf16", "fp32")}
     by_stage = {
@@ -262,8 +256,6 @@ def model_info(
     return {
         "model_args": _args_dict(args),
         "params": counts,
-        "meta_param_count": int(meta_params),
-        "meta_build_seconds": build_s,
         "flops_per_token": flops_per_token(args, s),
         "seq_len": s,
         "model_state": states,
@@ -434,14 +426,11 @@ def _zero_sizes(args: "ModelArgs", ds: Optional[Any],
 
 def _rank_terms(args: "ModelArgs", p: int, world_size: int, sizes: Dict[str, int], acts: float,
                 cpu: bool, offload_optimizer: bool, gloo: bool) -> _RankTerms:
-    import torch
-
-    from llama_train.model import Transformer, count_params
+    from llama_train.model_args import count_params, param_shapes
 
     psi = count_params(args)["total"]
     bucket = min(sizes["reduce_bucket_size"], psi) if cpu else sizes["reduce_bucket_size"]
-    with torch.device("meta"):
-        shapes = [prm.numel() for prm in Transformer(args).parameters()]
+    shapes = [math.prod(shape) for _, shape in param_shapes(args)]
     persistent = sum(k for k in shapes if k <= sizes["stage3_param_persistence_threshold"])
     # g: DeepSpeed's gradient buffers follow the model dtype (grad_accum_dtype unset)
     return _RankTerms(psi=psi, n=world_size, p=p, g=p, cpu=cpu, acts=acts, bucket=bucket,
@@ -618,18 +607,14 @@ def deepspeed_estimate(args: Union["ModelArgs", str, Path], zero_stage: int, wor
     one node of ``world_size`` ranks, through :mod:`llama_train.engine.estimates`. Bytes: gpu
     (per rank), cpu (per node), per_rank_cpu_ranks (gpu + cpu / ranks: what a CPU rank would
     hold). ZeRO-0 has no estimator (None)."""
-    import torch
-
     from llama_train.engine.estimates import zero_model_states_mem_needs
-    from llama_train.model import Transformer, count_params
+    from llama_train.model_args import count_params, param_shapes
 
     args = _resolve_args(args)
     psi = count_params(args)["total"]
     largest = None
-    if zero_stage == 3:
-        with torch.device("meta"):
-            net = Transformer(args)
-        largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in net.modules())
+    if zero_stage == 3:  # the largest module's parameters: each module holds one parameter
+        largest = max(math.prod(shape) for _, shape in param_shapes(args))
     try:
         est = zero_model_states_mem_needs(zero_stage, psi, world_size, largest_layer_params=largest,
                                           offload_optimizer=offload_optimizer,
