@@ -75,7 +75,7 @@ HAVE = {"torch", "triton", "transformers", "sentencepiece", "safetensors", "tens
         "regex", "typing-extensions", "jinja2", "markupsafe", "networkx", "sympy", "mpmath",
         "fsspec", "setuptools", "pillow", "protobuf", "grpcio", "absl-py", "markdown",
         "werkzeug", "six", "certifi", "charset-normalizer", "idna", "urllib3"}
-todo, pins = ["deepspeed", "hydra-core", "omegaconf", "psutil"], {}
+todo, pins = ["deepspeed", "hydra-core", "omegaconf", "psutil", "torchao"], {}
 while todo:
     name = todo.pop().lower().replace("_", "-")
     if name in pins or name in HAVE or name.startswith("nvidia-"):

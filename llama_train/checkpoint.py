@@ -14,6 +14,10 @@ Layout under ``<output_dir>/checkpoints``::
         manifest.json            world size; its own manifest, verified before every load
     latest                       name of the newest complete checkpoint (a hint; the scan decides)
 
+Anything else there (``step_00000004.bak``, an editor's swap file, ``step_abc``, a README) is
+not a checkpoint: warned about by name, never resumed from, exported, pruned or deleted
+(:func:`_step_dirs`).
+
 A checkpoint counts only if its directory has the final name and its manifest verifies, so a
 save cut by ``kill -9`` or a full disk is never picked up, and a corrupted one is skipped. No
 load reads a file its manifest lacks (DeepSpeed finds its shards by name). A save that fails on
@@ -35,6 +39,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import threading
 import time
@@ -194,11 +199,50 @@ def verify(ckpt: Path, checksums: bool = True,
 # ----------------------------------------------------------------------------------------------
 
 
+# What saves write in ``checkpoints/`` besides the step directories: the hint, its temporary,
+# partial saves (``.tmp-step_N``, removed by the next save) and preflight's write probe.
+_OWN_ENTRIES = ("latest", ".latest.tmp")
+_OWN_PREFIXES = (".tmp-step_", ".write-probe-")
+_STEP_NAME = re.compile(r"step_(\d{8,})")
+_STRAYS_WARNED: set = set()  # (root, name): each stray entry is warned about once a process
+
+
+def step_of(name: str) -> Optional[int]:
+    """The step of a checkpoint directory's name as a save writes it (``step_00000004``: 4), or
+    None for any other name (``step_00000004.bak``, ``step_abc``, ``step_4``, a README)."""
+    m = _STEP_NAME.fullmatch(name)
+    return int(m.group(1)) if m and name == f"step_{int(m.group(1)):08d}" else None
+
+
 def _step_dirs(root: Path) -> List[Path]:
+    """The checkpoint directories in ``root``, newest first: those named as a save names them
+    (``step_`` and the step in 8 digits or more), real directories (a save never writes a link).
+    Any other entry (a user's copy ``step_00000004.bak``, an editor's swap file, ``step_abc``, a
+    README) is not a checkpoint: never resumed from, exported, pruned or deleted, and warned
+    about once, naming it (before, every resume stopped on it: "invalid literal for int()")."""
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")),
-                  key=lambda p: int(p.name.split("_")[1]), reverse=True)
+    steps, strays = [], []
+    for p in root.iterdir():
+        step = step_of(p.name)
+        if step is not None and p.is_dir() and not p.is_symlink():
+            steps.append((step, p))
+        elif p.name not in _OWN_ENTRIES and not p.name.startswith(_OWN_PREFIXES):
+            strays.append(p)
+    if steps or (root / "latest").exists():  # a checkpoints dir (not any dir given as one)
+        _warn_strays(root, strays)
+    return [p for _, p in sorted(steps, reverse=True)]
+
+
+def _warn_strays(root: Path, strays: List[Path]) -> None:
+    new = sorted(p.name for p in strays if (str(root), p.name) not in _STRAYS_WARNED)
+    if not new:
+        return
+    _STRAYS_WARNED.update((str(root), n) for n in new)
+    log.warning("%s: ignoring %s: not checkpoint(s) (a save names its directory "
+                "step_NNNNNNNN); never resumed from, exported or removed by llama-train. Move "
+                "them out of the checkpoints directory to silence this", root,
+                ", ".join(repr(n) for n in new))
 
 
 def find_latest(root: Path, checksums: bool = True) -> Tuple[Optional[Path], List[str]]:
@@ -233,6 +277,11 @@ def require_checkpoint(path: Path, what: str) -> None:
     inner = _step_dirs(root) if path.is_dir() else []
     hint = (f" It holds checkpoints: give one of them (the newest is {inner[0]}), or continue "
             f"that run with trainer.resume=auto and its trainer.output_dir." if inner else "")
+    others = sorted(p.name for p in root.glob("step_*")) if path.is_dir() and not inner else []
+    if others:  # copies or renamed checkpoints: not found by name, never guessed at
+        hint = (f" It holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}, not "
+                f"named as a save names a checkpoint (step_ and 8 digits): give one of them "
+                f"itself if it is a checkpoint.")
     raise NotACheckpoint(
         f"{what}={path} is not a checkpoint: {found}.{hint} A checkpoint is a directory "
         f"<output_dir>/checkpoints/step_NNNNNNNN written by llama-train.")
@@ -307,7 +356,10 @@ def set_aside_history(output_dir: str, mode: str, extra: Tuple[str, ...] = ()) -
                if within(out / n, out) and ((out / n).exists() or (out / n).is_symlink())]
     if mode == "overwrite":
         for p in present:
-            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            if p == out / "checkpoints" and p.is_dir() and not p.is_symlink():
+                _delete_checkpoints(p)
+            else:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         return None
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     dest, n = out / ARCHIVE / stamp, 1
@@ -318,6 +370,19 @@ def set_aside_history(output_dir: str, mode: str, extra: Tuple[str, ...] = ()) -
         os.rename(p, dest / p.name)
     fsync_dir(out)
     return dest
+
+
+def _delete_checkpoints(root: Path) -> None:
+    """trainer.on_existing=overwrite: delete what saves wrote in ``root`` (the checkpoints, the
+    partial saves, the ``latest`` hint), then ``root`` if nothing else is left: a stray entry
+    there, not the run's, stays (:func:`_step_dirs` names it)."""
+    for p in _step_dirs(root):
+        shutil.rmtree(p)
+    for p in list(root.iterdir()):
+        if p.name in _OWN_ENTRIES or p.name.startswith(_OWN_PREFIXES):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    with contextlib.suppress(OSError):  # not empty: strays stay
+        root.rmdir()
 
 
 @dataclass
@@ -378,17 +443,22 @@ class CheckpointManager:
         final, tmp = self.root / name, self.root / f".tmp-{name}"
         self._refuse_nonfinite(engine, step, final)
         error: Optional[str] = None
+        fix: Optional[str] = None
         try:
             if self.lead:
                 self.root.mkdir(parents=True, exist_ok=True)
+                _refuse_foreign_tmp(tmp)
                 if tmp.exists():
                     shutil.rmtree(tmp)
                 for h in self.hooks:
                     h.on_checkpoint_dir(step, tmp)
                 tmp.mkdir()
+        except _SaveRefused as e:
+            error, fix = f"rank 0: {e}", e.fix
         except OSError as e:
-            error = f"rank 0 could not create {tmp}: {e}"
-        error = _agree(error)
+            error = f"rank 0 could not create {tmp}: {e}{_full_disk_note(e, self.root)}"
+        agreed = _agree((error, fix) if error is not None else None)
+        error, fix = agreed if agreed is not None else (None, None)
         if self.async_save and error is None:
             error = self._start_background(engine, SaveRecord(step, final, 0.0, waited), t0,
                                            tmp, trainer_state, rank_state, describe)
@@ -396,7 +466,8 @@ class CheckpointManager:
                 return final
         if error is None:
             error = self._write_rank_files(step, tmp, rank_state, engine=engine)
-        self._commit(step, tmp, final, error, trainer_state, describe, group=None, hashed={})
+        self._commit(step, tmp, final, error, trainer_state, describe, group=None, hashed={},
+                     fix=fix)
         self._done.append(SaveRecord(step, final, blocked_s=time.perf_counter() - t0,
                                      waited_s=waited, durable_s=time.perf_counter() - t0))
         return final
@@ -418,7 +489,7 @@ class CheckpointManager:
                 describe = {**describe,
                             "tokenizer_bytes": Path(describe["tokenizer"]).read_bytes()}
         except Exception as e:  # noqa: BLE001 - a directory DeepSpeed could not create
-            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+            error = f"rank {self.rank}: {type(e).__name__}: {e}{_full_disk_note(e, tmp)}"
         error = _agree(error)
         if error is None:
             record.blocked_s = time.perf_counter() - t0
@@ -445,7 +516,8 @@ class CheckpointManager:
                 (tmp / "ranks").mkdir(exist_ok=True)
                 torch.save(rank_state, tmp / "ranks" / f"rank_{self.rank:05d}.pt")
         except Exception as e:  # noqa: BLE001 - disk full, permissions, ...
-            return f"rank {self.rank}: {type(e).__name__}: {e}"
+            # measured now, while the partial files still fill the disk
+            return f"rank {self.rank}: {type(e).__name__}: {e}{_full_disk_note(e, tmp)}"
         return None
 
     def _write_in_background(self, record: "SaveRecord", t0: float, tmp: Path,
@@ -467,7 +539,7 @@ class CheckpointManager:
                         "size": p.stat().st_size,
                         "sha256": _sha256(p) if self.checksums else None}
             except OSError as e:
-                error = f"rank {self.rank}: {type(e).__name__}: {e}"
+                error = f"rank {self.rank}: {type(e).__name__}: {e}{_full_disk_note(e, tmp)}"
         try:
             self._commit(record.step, tmp, record.path, error, trainer_state, describe,
                          group=self.group, hashed=hashed)
@@ -508,14 +580,14 @@ class CheckpointManager:
 
     def _commit(self, step: int, tmp: Path, final: Path, error: Optional[str],
                 trainer_state: Dict[str, Any], describe: Dict[str, Any], group: Any,
-                hashed: Dict[str, Dict[str, Any]]) -> None:
+                hashed: Dict[str, Dict[str, Any]], fix: Optional[str] = None) -> None:
         """After every rank wrote its files (``error``: this rank's failure, if any): rank 0
         writes the run's files and the manifest (last), renames the directory, updates the
         ``latest`` hint and prunes; or every rank raises the same CheckpointError and the
-        partial directory is removed. ``hashed``: this rank's files, already hashed."""
+        partial directory is removed. ``hashed``: this rank's files, already hashed. ``fix``:
+        what to do about ``error`` where the cause is known (agreed by every rank already)."""
         import torch.distributed as dist
 
-        fix: Optional[str] = None  # what to do, when it is not "free space" (agreed with error)
         gathered = _gather((error, hashed), group)
         error = next((e for e, _ in gathered if e), None)
         if error is None and self.lead:
@@ -526,29 +598,33 @@ class CheckpointManager:
                 known = {rel: info for _, h in gathered for rel, info in h.items()}
                 write_manifest(tmp, self.checksums, known)
                 fsync_tree(tmp)
-                if final.exists():  # an older run's checkpoint of the same step
-                    shutil.rmtree(final)
+                if final.exists() or final.is_symlink():
+                    if final.is_symlink() or not final.is_dir() or not is_checkpoint(final):
+                        raise _SaveRefused(  # not ours to delete
+                            f"{final} exists and is not a checkpoint (a file, a link or a "
+                            f"directory no save wrote)",
+                            f"Move {final} out of {self.root}, then relaunch: it resumes from "
+                            f"the newest (trainer.resume=auto).")
+                    shutil.rmtree(final)  # an older run's checkpoint of the same step
                 os.rename(tmp, final)
                 fsync_dir(self.root)
             except _SaveRefused as e:
                 error, fix = f"rank 0: {e}", e.fix
             except Exception as e:  # noqa: BLE001
-                error = f"rank 0: {type(e).__name__}: {e}"
+                error = f"rank 0: {type(e).__name__}: {e}{_full_disk_note(e, tmp)}"
         agreed = _agree((error, fix) if error is not None else None, group)
         if agreed is not None:
             error, fix = agreed
-            if self.lead:
-                shutil.rmtree(tmp, ignore_errors=True)
+            # what became of the partial save, as rank 0 (which removes it) saw it: another
+            # rank looking for itself may look before the removal
+            partial = _agree(_remove_partial(tmp) if self.lead else None, group)
             previous, _ = find_latest(self.root, checksums=False)
-            left = " (could not remove it: remove it by hand)" if tmp.exists() else ""
-            space = "" if fix else _space_note(self.root, previous)
+            space = "" if fix else _space_note(self.root, previous, error)
             raise CheckpointError(
                 f"saving checkpoint {final} failed ({error}){space}. "
-                f"The partial save {tmp} was removed{left}; earlier checkpoints are intact, the "
-                f"newest is {previous or 'none'}. "
-                + (fix or f"Free space or fix permissions in {self.root}, then relaunch: it "
-                          f"resumes from the newest (trainer.resume=auto).")
-            )
+                f"{partial or 'The partial save was removed'}; earlier checkpoints are intact, "
+                f"the newest is {previous or 'none'}. "
+                + (fix or _save_fix(error, self.root)))
         if self.lead:
             try:  # only a hint (the scan decides): failing to update it loses nothing
                 latest_tmp = self.root / ".latest.tmp"
@@ -557,7 +633,7 @@ class CheckpointManager:
             except OSError as e:
                 log.warning("checkpoint %s is complete but the 'latest' hint was not updated: %s",
                             final, e)
-            self._prune()
+            self._prune(final)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier(group=group)
 
@@ -607,9 +683,17 @@ class CheckpointManager:
             f"Put the tokenizer back: restore {source} {good}; then relaunch: it resumes from "
             f"the newest (trainer.resume=auto).")
 
-    def _prune(self) -> None:
-        for old in _step_dirs(self.root)[self.keep_last:]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _prune(self, saved: Path) -> None:
+        """trainer.keep_last: the newest ``keep_last`` complete checkpoints stay (``saved``, the
+        one just written, always), other checkpoints go, with partial saves. What is not a
+        checkpoint stays: a stray name (:func:`_step_dirs`), or a ``step_N`` directory holding
+        nothing a save writes. A damaged checkpoint never counts as one of those kept."""
+        steps = _step_dirs(self.root)
+        complete = [p for p in steps if verify(p, checksums=False) is None]
+        kept = {*complete[:self.keep_last], saved}
+        for old in steps:
+            if old not in kept and is_checkpoint(old):
+                shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".tmp-step_*"):
             shutil.rmtree(stale, ignore_errors=True)
 
@@ -824,7 +908,7 @@ def _filesystem(path: Path) -> Tuple[Path, Optional[int]]:
     return p, free_bytes(path)
 
 
-def _space_note(root: Path, previous: Optional[Path]) -> str:
+def _space_note(root: Path, previous: Optional[Path], error: str = "") -> str:
     """Free space beside the error: a full disk often surfaces as an obscure write error."""
     try:
         free = shutil.disk_usage(root).free
@@ -832,9 +916,80 @@ def _space_note(root: Path, previous: Optional[Path]) -> str:
         return ""
     need = sum(p.stat().st_size for p in previous.rglob("*") if p.is_file()) if previous else 0
     note = f"; {free / 2**20:.1f} MiB free on the filesystem of {root}"
-    if need and free < need:
+    if need and free < need and "the disk is full" not in error:
         note += f", less than one checkpoint ({need / 2**20:.1f} MiB): the disk is full"
     return note
+
+
+# A write that fails on a full disk, said some other way: torch's zip writer reports a short
+# write as "unexpected pos N vs M" or "file write failed", without the errno. Below this much
+# free space right after the failure (the partial files still on disk) the disk is full.
+_FULL_BELOW = 1 << 20
+
+
+def _full_disk_note(e: BaseException, path: Path) -> str:
+    """" (the disk is full: ...)" where the failed write ``e`` under ``path`` ran out of
+    space (its errno or words, or no room left on the filesystem now), else "". Called at
+    once, while the partial files still take their space."""
+    import errno as errno_mod
+
+    chain, x = [], e
+    while x is not None and len(chain) < 8:
+        chain.append(x)
+        x = x.__cause__ or x.__context__
+    codes = {getattr(x, "errno", None) for x in chain}
+    text = " ".join(str(x) for x in chain)
+    if errno_mod.EDQUOT in codes or "Disk quota exceeded" in text:
+        return " (the disk quota is exhausted)"
+    free = free_bytes(path)
+    room = f": {free / 2**20:.1f} MiB free" if free is not None else ""
+    if errno_mod.ENOSPC in codes or any(m in text for m in _DISK_FULL):
+        return f" (the disk is full{room})"
+    if free is not None and free < _FULL_BELOW and codes <= {None}:  # no errno to go by
+        return f" (the disk is full{room}; the write was cut short)"
+    return ""
+
+
+def _save_fix(error: str, root: Path) -> str:
+    """What to do about a failed save, by its cause."""
+    then = "then relaunch: it resumes from the newest (trainer.resume=auto)."
+    if "the disk is full" in error or "quota" in error:
+        return (f"Free space on the filesystem of {root} (or give trainer.output_dir a disk "
+                f"with room), {then}")
+    if "Read-only file system" in error:
+        return (f"The filesystem of {root} is read-only: remount it read-write (or give "
+                f"trainer.output_dir a writable disk), {then}")
+    if "Permission denied" in error or "Operation not permitted" in error:
+        return f"Give this user write permission on {root}, {then}"
+    return f"Fix the cause in {root}, {then}"
+
+
+def _refuse_foreign_tmp(tmp: Path) -> None:
+    """A save's partial directory is a plain directory it made: a link or a file in its place
+    is no earlier partial save, and a save never writes through or removes it."""
+    if tmp.is_symlink():
+        raise _SaveRefused(
+            f"{tmp} is a symbolic link (to {os.readlink(tmp)}), not a partial save: a save never "
+            f"writes through a link or deletes what one points to",
+            f"Remove the link (rm {tmp}: what it points to stays), then relaunch: it resumes "
+            f"from the newest (trainer.resume=auto).")
+    if tmp.exists() and not tmp.is_dir():
+        raise _SaveRefused(
+            f"{tmp} is a file, not a partial save",
+            f"Move {tmp} out of {tmp.parent}, then relaunch: it resumes from the newest "
+            f"(trainer.resume=auto).")
+
+
+def _remove_partial(tmp: Path) -> str:
+    """Rank 0, after a failed save: remove its partial directory and say what became of it."""
+    if tmp.is_symlink() or (tmp.exists() and not tmp.is_dir()):
+        return f"Nothing was written ({tmp} is not this save's: left as it is)"
+    if not tmp.exists():
+        return "Nothing was written"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.exists():
+        return f"The partial save {tmp} could not be removed: remove it by hand"
+    return f"The partial save {tmp} was removed"
 
 
 def _gather(value: Any, group: Any = None) -> List[Any]:
@@ -904,6 +1059,13 @@ def load_consolidated(ckpt_dir: str):
     except Exception as e:  # noqa: BLE001 - whatever DeepSpeed trips on, the file is the cause
         raise CheckpointError(f"checkpoint {path} cannot be loaded: "
                               f"{failed_file(e) or path / DS_TAG}: {load_error_cause(e)}") from None
-    sd = {k.removeprefix("module.").replace("_orig_mod.", ""): v.float() for k, v in sd.items()}
+    sd = {k.removeprefix("module.").replace("_orig_mod.", ""): v for k, v in sd.items()}
+    from llama_train.weights import WeightsError, check_state_dict
+
+    try:  # before the cast to float: an integer tensor would pass as weights
+        check_state_dict(sd, args, str(path / DS_TAG), config=str(path / "model_args.json"))
+    except WeightsError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be used: {e}") from None
+    sd = {k: v.float() for k, v in sd.items()}
     tok = path / "tokenizer.model"
     return args, sd, (str(tok) if tok.exists() else None)

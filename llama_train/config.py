@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from llama_train.bounds import INT32_MAX, INT64_MAX, SEED_MAX, SIMULATE_MAX_RANKS, Range
 from llama_train.comm import CommConfig
 from llama_train.policy import may_change, per_launch
 from llama_train.data.config import DataConfig
@@ -27,14 +28,21 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the fix."""
 
 
-def _check_positive(section: str, obj: Any, names: List[str], allow_zero: bool = False) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        # written so that NaN fails too (every comparison with NaN is false)
-        bad = value is None or not (value >= 0 if allow_zero else value > 0)
-        if bad:
-            bound = ">= 0" if allow_zero else "> 0"
-            raise ConfigError(f"{section}.{name}={value} must be {bound}.")
+def _check_ranges(section: str, obj: Any, ranges: Dict[str, Range]) -> None:
+    """Every numeric field of a group has a range (llama_train.bounds), checked here before
+    any work starts: ``<section>.<name>=<value> must be <range>: <what it means>.``
+    (tests/test_bounds.py holds a bad value for every numeric key)."""
+    for name, rng in ranges.items():
+        msg = rng.message(f"{section}.{name}", getattr(obj, name))
+        if msg is not None:
+            raise ConfigError(msg)
+
+
+# Integer knobs: counts of steps, sequences, elements. Above these nothing but a run that fails
+# late (an int32 kernel index, an allocation that cannot succeed) or never ends.
+_COUNT = Range(1, INT32_MAX, integer=True)
+_COUNT0 = Range(0, INT32_MAX, integer=True)
+COMM_MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective stuck longer than a week is a hang
 
 
 def _check_choice(key: str, value: Any, choices: tuple) -> None:
@@ -58,14 +66,25 @@ class OptimConfig:
     decay_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        _check_positive("optim", self, ["lr", "eps"])
-        _check_positive("optim", self, ["warmup_steps", "weight_decay", "grad_clip"],
-                        allow_zero=True)
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"optim.{name}={getattr(self, name)} must be in [0, 1).")
+        beta = "an exponential moving average's decay (LLaMA: 0.9 and 0.95)"
+        _check_ranges("optim", self, {
+            # above 1 AdamW moves every weight by more than 1 a step: NaN within steps
+            "lr": Range(0, 1, lo_open=True, fix="AdamW's peak learning rate (LLaMA: 3e-4)"),
+            "min_lr_ratio": Range(0, 1, fix="the cosine's floor as a fraction of optim.lr"),
+            "warmup_steps": _COUNT0,
+            "beta1": Range(0, 1, hi_open=True, fix=beta),
+            "beta2": Range(0, 1, hi_open=True, fix=beta),
+            "eps": Range(0, 1, lo_open=True, hi_open=True,
+                         fix="AdamW's denominator guard (LLaMA: 1e-8)"),
+            "weight_decay": Range(0, fix="decoupled decay per unit of learning rate (0.1)"),
+            "grad_clip": Range(0, fix="the largest gradient norm, 0 for no clipping"),
+        })
+        if self.lr * self.weight_decay >= 1:
+            raise ConfigError(
+                f"optim.weight_decay={self.weight_decay} with optim.lr={self.lr}: each step "
+                f"multiplies every decayed weight by 1 - lr x weight_decay = "
+                f"{1 - self.lr * self.weight_decay:g} (<= 0: zeroed or flipped); lower "
+                f"optim.weight_decay below 1 / optim.lr (LLaMA: 0.1).")
 
 
 @dataclass
@@ -119,9 +138,22 @@ class TrainerConfig:
     async_save: bool = may_change(True)
 
     def __post_init__(self) -> None:
-        _check_positive("trainer", self, ["max_steps", "seq_len", "micro_batch", "log_every",
-                                          "eval_every", "save_every", "keep_last",
-                                          "eval_sequences"])
+        _check_ranges("trainer", self, {
+            "max_steps": _COUNT, "seq_len": _COUNT,
+            # more sequences per forward than any device holds: an allocation that must fail
+            "micro_batch": Range(1, 2**20, integer=True, fix="sequences per rank per forward"),
+            "global_batch": Range(1, INT32_MAX, integer=True, optional=True),
+            "global_batch_tokens": Range(1, 2**40, integer=True, optional=True),
+            "log_every": _COUNT, "eval_every": _COUNT, "save_every": _COUNT,
+            "keep_last": Range(1, INT32_MAX, integer=True, fix="checkpoints kept on disk"),
+            "eval_sequences": _COUNT,
+            "steps_this_run": Range(1, INT32_MAX, integer=True, optional=True),
+            "seed": Range(0, SEED_MAX, integer=True, fix="numpy's and SentencePiece's seeds "
+                                                          "are unsigned 32-bit"),
+            # 1e18 FLOP/s is a thousand H100s' bf16 peak: a typo, and MFU would read ~0
+            "peak_flops": Range(0, 1e18, lo_open=True, optional=True,
+                                fix="one device's peak FLOP/s, or null to measure it"),
+        })
         if self.resume not in ("auto", "never") and not os.path.exists(self.resume):
             raise ConfigError(f"trainer.resume={self.resume!r} is neither 'auto', 'never' nor an "
                               f"existing checkpoint path.")
@@ -131,11 +163,6 @@ class TrainerConfig:
                 f"directory (<output_dir>/checkpoints/step_NNNNNNNN), or 'auto' to continue from "
                 f"the newest complete one in trainer.output_dir.")
         _check_choice("trainer.on_existing", self.on_existing, ("refuse", "archive", "overwrite"))
-        if self.peak_flops is not None and not self.peak_flops > 0:
-            raise ConfigError(f"trainer.peak_flops={self.peak_flops} must be > 0 or null "
-                              f"(measure).")
-        if self.steps_this_run is not None and self.steps_this_run <= 0:
-            raise ConfigError(f"trainer.steps_this_run={self.steps_this_run} must be > 0 or null.")
         if self.init_from is not None and not os.path.exists(self.init_from):
             raise ConfigError(
                 f"trainer.init_from={self.init_from!r} does not exist: give a Hugging Face Llama "
@@ -156,8 +183,14 @@ class RecoveryConfig:
     max_rollbacks: int = 3
 
     def __post_init__(self) -> None:
-        _check_positive("recovery", self, ["max_bad_steps", "spike_factor", "spike_warmup_steps",
-                                           "max_rollbacks"], allow_zero=True)
+        _check_ranges("recovery", self, {
+            "max_bad_steps": _COUNT0, "spike_warmup_steps": _COUNT0, "max_rollbacks": _COUNT0,
+            "spike_factor": Range(0, fix="0 turns spike detection off")})
+        if 0 < self.spike_factor <= 1:  # every loss is above a fraction of its own mean
+            raise ConfigError(
+                f"recovery.spike_factor={self.spike_factor} would call every step a spike (a "
+                f"loss above {self.spike_factor:g} x the running mean of losses) and roll back "
+                f"each: give a factor > 1 (e.g. 3), or 0 to turn spike detection off.")
 
 
 @dataclass
@@ -170,10 +203,14 @@ class SampleConfig:
     top_k: Optional[int] = 40
 
     def __post_init__(self) -> None:
-        _check_positive("sample", self, ["tokens", "temperature"], allow_zero=True)
-        if self.top_k is not None and self.top_k <= 0:
-            raise ConfigError(f"sample.top_k={self.top_k} must be > 0 (the number of most likely "
-                              f"tokens to sample from), or null to sample from all of them.")
+        _check_ranges("sample", self, {
+            "tokens": Range(0, INT32_MAX, integer=True, fix="tokens to sample, 0 for none"),
+            # above 100 the logits of any trained model are flattened to a uniform draw
+            "temperature": Range(0, 100, fix="0 is greedy, 1 the model's distribution"),
+            "top_k": Range(1, INT32_MAX, integer=True, optional=True,
+                           fix="the number of most likely tokens to sample from; null samples "
+                               "from all of them"),
+        })
         if self.tokens and not self.prompt:
             raise ConfigError("sample.prompt is empty: the sample continues a prompt; give one "
                               "(e.g. sample.prompt=The) or set sample.tokens=0 for no sample.")
@@ -283,15 +320,31 @@ class DeepSpeedConfig:
                 "deepspeed.offload_optimizer=true needs deepspeed.zero_stage >= 1: the optimizer "
                 "state is only partitioned (and offloadable) under ZeRO."
             )
-        _check_positive("deepspeed", self, ["allgather_bucket_size", "sub_group_size"])
-        _check_positive("deepspeed", self, ["stage3_max_reuse_distance"], allow_zero=True)
-        for name in ("reduce_bucket_size", "stage3_prefetch_bucket_size",
-                     "stage3_param_persistence_threshold", "stage3_max_live_parameters"):
-            value = getattr(self, name)
-            positive = name in ("reduce_bucket_size", "stage3_max_live_parameters")
-            if value is not None and value < (1 if positive else 0):
-                raise ConfigError(f"deepspeed.{name}={value} must be a positive number of "
-                                  f"elements, or null to scale it with the model width.")
+        auto = "elements, or null to scale it with the model width"
+        # DeepSpeed allocates the reduce bucket (ZeRO-2: two of them) at its full size in the
+        # first backward: 2**32 elements is 8 GiB in bf16, far above any useful bucket
+        bucket = Range(1, 2**32, integer=True, fix="elements per collective")
+        _check_ranges("deepspeed", self, {
+            "reduce_bucket_size": Range(1, 2**32, integer=True, optional=True, fix=auto),
+            "allgather_bucket_size": bucket,
+            "stage3_prefetch_bucket_size": Range(0, 2**32, integer=True, optional=True,
+                                                 fix=auto),
+            "stage3_param_persistence_threshold": Range(0, INT64_MAX, integer=True,
+                                                        optional=True, fix=auto),
+            "stage3_max_reuse_distance": Range(0, INT64_MAX, integer=True, fix="elements"),
+            "stage3_max_live_parameters": Range(1, INT64_MAX, integer=True, optional=True,
+                                                fix=auto),
+            "sub_group_size": Range(1, INT64_MAX, integer=True, fix="elements per ZeRO-3 "
+                                                                    "optimizer sub-step"),
+            # DeepSpeed takes the step modulo it: 0 divides by zero at the first step
+            "steps_per_print": Range(1, INT64_MAX, integer=True,
+                                     fix="steps between DeepSpeed's own log lines"),
+        })
+        if self.allgather_bucket_size % 2:  # asserted by DeepSpeed's ZeRO-1/2 after the group
+            raise ConfigError(
+                f"deepspeed.allgather_bucket_size={self.allgather_bucket_size} must be even: "
+                f"DeepSpeed aligns all-gather buffers to 4 bytes (2 half-precision elements); "
+                f"use {self.allgather_bucket_size + 1}.")
         _check_deepspeed_extra(self.extra)
 
     def zero_sizes(self, dim: int) -> Dict[str, int]:
@@ -379,10 +432,21 @@ class ScalingConfig:
         _check_choice("scaling.mode", self.mode,
                       ("none", "compute_optimal", "inference_optimal", "fixed"))
         _check_choice("scaling.count", self.count, ("total", "non_embedding"))
-        if not 0 < self.tolerance < 1:
-            raise ConfigError(f"scaling.tolerance={self.tolerance} must be in (0, 1), e.g. 0.05.")
-        if self.max_epochs <= 0:
-            raise ConfigError(f"scaling.max_epochs={self.max_epochs} must be > 0.")
+        # 1e30 FLOPs is 10^5 x the largest training runs to date: past it a plan is a typo
+        flops = Range(0, 1e30, lo_open=True, optional=True, fix="FLOPs, C = 6 N D")
+        exponent = Range(-2, 2, fix="a power law's exponent (published fits: 0.1 to 0.5)")
+        _check_ranges("scaling", self, {
+            "flops": flops,
+            "inference_tokens": Range(0, 1e30, optional=True, fix="lifetime inference tokens"),
+            "params": Range(1, 1e15, optional=True, fix="a parameter count"),
+            "vocab_size": Range(1, 2**32, integer=True, optional=True,
+                                fix="null: model.vocab_size"),
+            "tolerance": Range(0, 1, lo_open=True, hi_open=True, fix="e.g. 0.05"),
+            "max_epochs": Range(0, lo_open=True, fix="passes over the train split"),
+            "lr_ref_params": Range(0, 1e15, lo_open=True, optional=True),
+            "lr_ref_flops": flops,
+            "lr_exponent": exponent, "lr_flops_exponent": exponent,
+        })
         for ref, exp, what in (("lr_ref_params", "lr_exponent", "size"),
                                ("lr_ref_flops", "lr_flops_exponent", "training FLOPs")):
             value = getattr(self, ref)
@@ -392,6 +456,35 @@ class ScalingConfig:
             if getattr(self, exp) and value is None:
                 raise ConfigError(f"scaling.{exp}={getattr(self, exp)} needs scaling.{ref} (the "
                                   f"{what} at which optim.lr is the tuned rate).")
+
+
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's recipe names
+
+
+@dataclass
+class Float8Config:
+    """FP8 linear layers (torchao's float8 training, llama_train/float8.py): every ``nn.Linear``
+    of the blocks computes its matmuls in float8 with dynamic scales; the parameters, optimizer
+    state and checkpoints stay as they are (bf16/fp32, same keys), so turning it on or off
+    between resumes only changes the numerics of the steps after it (logged, never refused)."""
+
+    enabled: bool = False
+    recipe: str = "tensorwise"  # tensorwise | rowwise | rowwise_with_gw_hp (torchao's recipes)
+    # Modules kept in bf16, by name: an entry matches a module named so or ending in .<entry>
+    # (output: the output projection, whose loss path never calls its forward; w2: every block's
+    # down projection). Linears whose in/out features are not multiples of 16 (the FP8 matmul's
+    # alignment) are always kept.
+    skip: List[str] = field(default_factory=lambda: ["output"])
+    # torchao's emulated FP8 matmul (casts to float8 and back, multiplies in high precision):
+    # the numerics of FP8 on a device without FP8 matmuls (CPU tests, GPUs below sm_89), no speed
+    emulate: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice("float8.recipe", self.recipe, FLOAT8_RECIPES)
+        bad = [s for s in self.skip if not isinstance(s, str) or not s.strip(".")]
+        if bad:
+            raise ConfigError(f"float8.skip={list(self.skip)!r}: each entry is a module name "
+                              f"(e.g. output, w2, layers.0.attention.wq); got {bad!r}.")
 
 
 @dataclass
@@ -422,8 +515,23 @@ class Config:
     tracking: TrackingConfig = may_change(factory=TrackingConfig)
     comm: CommConfig = may_change(factory=CommConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # may change on resume: FP8 on or off changes how the matmuls round, not the weights or state
+    float8: Float8Config = may_change(factory=Float8Config)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     experiment: Optional[Any] = None
+
+    def __post_init__(self) -> None:
+        # CommConfig (llama_train.comm) refuses a zero timeout or a 1-rank simulation; the
+        # upper bounds of its numbers are here, with every other group's
+        _check_ranges("comm", self.comm, {
+            "timeout_s": Range(1, COMM_MAX_TIMEOUT_S, integer=True,
+                               fix="seconds a collective may take before the job fails"),
+            "simulate_ranks": Range(0, SIMULATE_MAX_RANKS, integer=True,
+                                    fix="the ranks of the job to simulate (a simulated rank "
+                                        "answers every collective for all of them, so its "
+                                        "saves slow with N), or 0 to run for real"),
+            "simulate_rank": Range(0, SIMULATE_MAX_RANKS - 1, integer=True),
+        })
 
 
 def short_number(x: Any) -> str:
@@ -518,9 +626,35 @@ def validate(cfg: Config, world_size: int, device: str) -> BatchPlan:
             f"sample.tokens={cfg.sample.tokens} leaves no room for the prompt in "
             f"model.max_seq_len={cfg.model.max_seq_len} (prompt + sample must fit): lower "
             f"sample.tokens, or set it to 0 for no sample.")
+    if cfg.data.shard_tokens <= t.seq_len:  # every window would span two or more files
+        raise ConfigError(
+            f"data.shard_tokens={cfg.data.shard_tokens} is not longer than one training window "
+            f"(trainer.seq_len + 1 = {t.seq_len + 1} tokens): raise data.shard_tokens (default "
+            f"50000000).")
     if device == "cpu" and cfg.deepspeed.precision == "fp16":
         raise ConfigError("deepspeed.precision=fp16 is not supported on CPU: use fp32 (or bf16).")
+    _check_float8(cfg, device)
     return resolve_batch(t, data_parallel_size(cfg, world_size))
+
+
+def _check_float8(cfg: Config, device: str) -> None:
+    """float8.enabled needs bf16 and, unless emulated, a device with FP8 matmuls (the compute
+    capability of a GPU is llama_train.float8.check_device's, in preflight: it needs torch)."""
+    f8 = cfg.float8
+    if not f8.enabled:
+        return
+    if device != "cuda" and not f8.emulate:
+        raise ConfigError(
+            f"float8.enabled=true on {device}, which has no FP8 matmuls: set "
+            f"float8.emulate=true (the numerics of FP8, no speed-up) or float8.enabled=false.")
+    precision = cfg.deepspeed.precision
+    if precision == "auto":  # engine.ds_config.resolve_precision: bf16 on CUDA, fp32 elsewhere
+        precision = "bf16" if device == "cuda" else "fp32"
+    if precision != "bf16":
+        raise ConfigError(
+            f"float8.enabled=true needs deepspeed.precision=bf16 (resolved: {precision}): the "
+            f"FP8 matmuls take and give bf16 activations; set deepspeed.precision=bf16, or "
+            f"float8.enabled=false.")
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
@@ -755,20 +889,25 @@ def is_secret_key(key: Any) -> bool:
 
 def scrub_secrets(obj: Any) -> Any:
     """``obj`` with every string value under a secret key (is_secret_key) replaced by '***',
-    through nested dicts and lists (what config.yaml, checkpoints and W&B get)."""
-    if isinstance(obj, dict):
-        return {
-            k: ("***" if is_secret_key(k) and isinstance(v, str) else scrub_secrets(v))
-            for k, v in obj.items()
-        }
-    if isinstance(obj, list):
-        return [scrub_secrets(v) for v in obj]
-    return obj
+    and every credential of the environment inside any other string by ``$NAME``
+    (scrub_secret_values), through nested dicts and lists (what config.yaml, checkpoints,
+    run_info.json and W&B get). docs/reliability.md: secrets in saved files."""
+    def by_key(o: Any) -> Any:
+        if isinstance(o, dict):
+            return {k: ("***" if is_secret_key(k) and isinstance(v, str) else by_key(v))
+                    for k, v in o.items()}
+        if isinstance(o, list):
+            return [by_key(v) for v in o]
+        return o
+
+    from llama_train.records import scrub_secret_values
+
+    return scrub_secret_values(by_key(obj))
 
 
 __all__ = [
-    "BatchPlan", "Config", "ConfigError", "DeepSpeedConfig", "OptimConfig", "RecoveryConfig",
-    "SampleConfig", "ScalingConfig", "TensorBoardConfig", "TrackingConfig", "TrainerConfig",
-    "WandbConfig", "MISSING",
+    "BatchPlan", "Config", "ConfigError", "DeepSpeedConfig", "Float8Config", "OptimConfig",
+    "RecoveryConfig", "SampleConfig", "ScalingConfig", "TensorBoardConfig", "TrackingConfig",
+    "TrainerConfig", "WandbConfig", "MISSING",
     "load_config", "register_configs", "resolve_batch", "to_container", "validate",
 ]

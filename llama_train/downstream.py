@@ -24,7 +24,20 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from llama_train.bounds import INT32_MAX, SEED_MAX, Range, check_options
 from llama_train.generate import EXIT_BAD_INPUT, GenerateError, device_and_dtype, load
+from llama_train.paths import PathRefused, check_output
+
+# The range of each numeric option (llama_train.bounds), checked before the model loads:
+# `--limit -1` failed after 72 s of building the tasks, a negative --seed in numpy's seeding.
+OPTIONS = {
+    "num_fewshot": Range(0, 1024, integer=True, optional=True,
+                         fix="worked examples put before each question (tasks use 0-25)"),
+    "limit": Range(0, INT32_MAX, lo_open=True, optional=True,
+                   fix="examples per task, or a fraction below 1 of them"),
+    "batch_size": Range(1, 2**16, integer=True, fix="requests per forward"),
+    "seed": Range(0, SEED_MAX, integer=True, fix="numpy's seed is unsigned 32-bit"),
+}
 
 
 
@@ -81,10 +94,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "auto"), default="auto")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--output", help="write the results as JSON here")
+    p.add_argument("--output", help="write the results as JSON here (checked before the "
+                                    "evaluation; missing directories are created)")
     a = p.parse_args(argv)
-    if a.batch_size < 1:
-        p.error(f"--batch-size={a.batch_size} must be >= 1")
+    msg = check_options(a, OPTIONS)  # before lm-eval is imported and a task's data is read
+    if msg is None and a.limit is not None and a.limit >= 1 and not a.limit.is_integer():
+        msg = (f"--limit={a.limit:g}: a fraction below 1 takes that share of each task's "
+               f"examples; from 1 up it is a count of examples, a whole number")
+    if msg is not None:
+        p.error(msg)
+    if a.output:  # checked before the model loads: an evaluation is never lost for its file
+        try:
+            check_output(a.output, "--output")
+        except PathRefused as e:
+            print(f"llama-eval: error: {e}", file=sys.stderr)
+            raise SystemExit(EXIT_BAD_INPUT) from None
     try:
         device, dtype = device_and_dtype(a)
         res = evaluate(a.checkpoint, [t for t in a.tasks.split(",") if t], a.include_path,
@@ -97,6 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"llama-eval: {res['source']}")
     print(make_table(res))
     if a.output:
+        Path(a.output).parent.mkdir(parents=True, exist_ok=True)  # checked at the start
         Path(a.output).write_text(json.dumps({"source": res["source"],
                                               "results": res["results"],
                                               "n-samples": res.get("n-samples")},

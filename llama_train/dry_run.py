@@ -51,7 +51,8 @@ def dry_run(cfg: Config) -> None:
         *([f"  experiment: {experiment.describe()}"] if experiment else []),
         f"  model: dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads ({m.kv_heads} kv), vocab "
         f"{m.vocab_size}, ffn {m.ffn_hidden_dim}, max_seq_len {m.max_seq_len}"
-        f"{', activation checkpointing' if m.activation_checkpointing else ''}",
+        f"{', activation checkpointing' if m.activation_checkpointing else ''}"
+        f"{f', loss in chunks of {m.loss_chunk} tokens' if m.loss_chunk else ''}",
         f"  parameters: {n['total']:,} total, {n['non_embedding']:,} non-embedding",
         f"  batch: {plan.world_size} {'data-parallel ' if cfg.parallel.sequence > 1 else ''}"
         f"rank(s) x micro {plan.micro_batch} x accum "

@@ -27,6 +27,10 @@ Injection (tests and fire drills; nothing here is active unless asked for) is on
                                             size) fails part-way: its 1st file write stops half
                                             written with that OSError (read by the conversion's
                                             child, llama_train.engine.ds_checkpoint)
+    worker_kill:step=5[,rank=0][,signal=KILL]   as step 5 begins, that rank's DataLoader workers
+                                            get the signal (KILL: what the kernel's OOM killer
+                                            sends; SEGV, BUS: a crash) and are gone before the
+                                            step reads its batch
 
 Batches are counted in the data stream (global batch b = samples [(b-1)G, bG)), not in optimizer
 steps, so an injected bad batch stays bad when a rollback replays steps, as real bad data would.
@@ -52,7 +56,7 @@ from llama_train.hooks import Hook
 
 ENV = "LLAMA_TRAIN_FAULTS"
 KINDS = ("nan", "loss_scale", "exit", "hang", "save_error", "nan_weights", "convert_error",
-         "slow_save")
+         "slow_save", "worker_kill")
 
 
 class FaultSpecError(ValueError):
@@ -96,6 +100,13 @@ class SlowSaveFault:
 
 
 @dataclass
+class WorkerKillFault:
+    step: int
+    rank: int = 0
+    signal: int = 9  # SIGKILL
+
+
+@dataclass
 class FaultPlan:
     nan_batches: Set[int] = field(default_factory=set)
     loss_scale: Dict[int, float] = field(default_factory=dict)
@@ -104,6 +115,7 @@ class FaultPlan:
     save_errors: List[SaveFault] = field(default_factory=list)
     nan_weights: List[NanWeightsFault] = field(default_factory=list)
     slow_saves: List[SlowSaveFault] = field(default_factory=list)
+    worker_kills: List[WorkerKillFault] = field(default_factory=list)
     convert_errno: Optional[int] = None  # convert_error: read by the conversion's child
 
     @classmethod
@@ -149,6 +161,9 @@ class FaultPlan:
         elif kind == "slow_save":
             self.slow_saves.append(SlowSaveFault(int(kv["step"]), float(kv["seconds"]),
                                                  int(kv["rank"]) if "rank" in kv else None))
+        elif kind == "worker_kill":
+            self.worker_kills.append(WorkerKillFault(int(kv["step"]), int(kv.get("rank", 0)),
+                                                     _signal_number(kv.get("signal", "KILL"))))
         elif kind == "nan_weights":
             self.nan_weights.append(NanWeightsFault(int(kv["step"]), int(kv.get("rank", 0))))
         elif kind == "convert_error":
@@ -189,6 +204,9 @@ class FaultInjector(Hook):
         for f in self.plan.nan_weights:
             if f.step == step and f.rank == self.rank:
                 _poison_next_optimizer_step()
+        for k in self.plan.worker_kills:
+            if k.step == step and k.rank == self.rank:
+                _kill_data_workers(k.signal)
 
     def on_loss(self, batch: int, loss):
         if batch in self.plan.nan_batches:
@@ -255,6 +273,41 @@ def _poison_next_optimizer_step() -> None:
                     p.fill_(float("nan"))
 
     handle = register_optimizer_step_post_hook(poison)
+
+
+def _signal_number(name: str) -> int:
+    """KILL, SIGKILL or 9 -> 9."""
+    import signal
+
+    if name.isdigit():
+        return int(name)
+    try:
+        return int(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
+    except KeyError:
+        raise ValueError(f"unknown signal {name!r} (KILL, SEGV, BUS, ...)") from None
+
+
+def _kill_data_workers(sig: int) -> None:
+    """Send ``sig`` to this process's DataLoader workers (torch names them pt_data_worker) and
+    wait until they are gone, as the kernel's OOM killer would leave them."""
+    import logging
+    import multiprocessing
+
+    workers = []
+    for p in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{p.pid}/comm") as f:
+                if f.read().strip() == "pt_data_worker":
+                    workers.append(p)
+        except OSError:
+            continue
+    if not workers:
+        logging.getLogger("llama_train").warning(
+            "%s: worker_kill found no DataLoader worker to signal (data.num_workers=0?)", ENV)
+    for p in workers:
+        os.kill(p.pid, sig)
+    for p in workers:
+        p.join(timeout=10)
 
 
 def _stall(seconds: float) -> None:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
+from llama_train.bounds import INT32_MAX, SEED_MAX, Range, check_options
+
 EXIT_BAD_INPUT, EXIT_UNLOADABLE = 2, 3
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -200,15 +202,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# The range of each numeric option (llama_train.bounds), checked before anything is loaded:
+# `--temperature nan` was a traceback after the load, and `inf` sampled uniformly.
+OPTIONS = {
+    "max_new_tokens": Range(1, INT32_MAX, integer=True, fix="tokens generated per prompt"),
+    # above 100 any trained model's logits are flattened to a uniform draw
+    "temperature": Range(0, 100, fix="0 is greedy, 1 samples the model's distribution"),
+    "top_k": Range(1, INT32_MAX, integer=True, optional=True,
+                   fix="sample from the k most likely tokens"),
+    "top_p": Range(0, 1, lo_open=True, optional=True,
+                   fix="sample from the smallest set with this probability mass"),
+    "seed": Range(0, SEED_MAX, integer=True),
+}
+
+
 def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    if a.max_new_tokens < 1:
-        p.error(f"--max-new-tokens={a.max_new_tokens} must be >= 1")
-    if a.temperature < 0:
-        p.error(f"--temperature={a.temperature} must be >= 0 (0: greedy)")
-    if a.top_k is not None and a.top_k < 1:
-        p.error(f"--top-k={a.top_k} must be >= 1")
-    if a.top_p is not None and not 0 < a.top_p <= 1:
-        p.error(f"--top-p={a.top_p} must be in (0, 1]")
+    msg = check_options(a, OPTIONS)
+    if msg is not None:
+        p.error(msg)  # exit 2, before the checkpoint is read
 
 
 def device_and_dtype(a: argparse.Namespace):
@@ -240,8 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     _check(p, a)
     try:
         if a.prompt_file:
-            text = sys.stdin.read() if a.prompt_file == "-" else Path(a.prompt_file).read_text()
-            prompts = [text]
+            prompts = [_read_prompt_file(a.prompt_file)]
         else:
             prompts = a.prompt or ["The"]
         device, dtype = device_and_dtype(a)
@@ -261,6 +271,26 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except GenerateError as e:
         print(f"llama-generate: error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(e.code) from None
+
+
+def _read_prompt_file(name: str) -> str:
+    """The text of --prompt-file (``-``: stdin), read as UTF-8 before anything loads:
+    GenerateError (exit 2) naming the file, the first byte that is not UTF-8 and the fix."""
+    where = "stdin" if name == "-" else name
+    if name == "-":
+        stream = getattr(sys.stdin, "buffer", None)
+        if stream is None:  # a text stream already decoded (an embedding program's)
+            return sys.stdin.read()
+        data = stream.read()
+    else:
+        data = Path(name).read_bytes()  # OSError: named by main
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GenerateError(
+            f"--prompt-file {where} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset "
+            f"{e.start} ({e.reason}). Save the prompt as UTF-8 (e.g. `iconv -f latin1 -t "
+            f"utf-8 {where if name != '-' else 'FILE'} > prompt.txt`).", EXIT_BAD_INPUT) from None
 
 
 def _interactive(loaded: Loaded, settings: dict, a: argparse.Namespace, device: str,

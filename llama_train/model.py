@@ -38,15 +38,16 @@ from torch.utils.checkpoint import checkpoint
 from llama_train.model_args import (ModelArgs, RopeScaling, count_params, ffn_hidden_dim,
                                     flops_per_token, list_presets, load_preset)
 from llama_train.model_ops import (apply_rotary_emb, cross_entropy, document_ids, document_mask,
-                                   rope_inv_freq, rope_tables, sample_next_token)
+                                   linear_cross_entropy, rope_inv_freq, rope_tables,
+                                   sample_next_token)
 
 # model_args' and model_ops' names are this module's API too (from llama_train.model import
 # ModelArgs, document_ids): model_args holds the torch-free config half (ModelArgs, counts, presets)
 __all__ = ["ModelArgs", "RopeScaling", "ffn_hidden_dim", "count_params", "flops_per_token",
            "list_presets", "load_preset", "RMSNorm", "KVCache", "CoreAttention", "Attention",
-           "FeedForward", "TransformerBlock",
+           "FeedForward", "TransformerBlock", "OutputHead",
            "Transformer", "apply_rotary_emb", "cross_entropy", "document_ids", "document_mask",
-           "rope_inv_freq", "rope_tables", "sample_next_token"]
+           "linear_cross_entropy", "rope_inv_freq", "rope_tables", "sample_next_token"]
 
 # `enable_gqa` appeared in torch 2.5; older torch gets the K/V heads repeated explicitly.
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2] if p.isdigit()) >= (2, 5)
@@ -204,6 +205,21 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class OutputHead(nn.Linear):
+    """The output projection D -> V (``output.weight``, the embedding matrix when tied). Given
+    targets, the mean cross-entropy straight from the hidden states, ``chunk`` tokens at a time
+    (:func:`linear_cross_entropy`), so the whole (B, T, V) logits never exist. Either way it runs
+    as this module's forward, where ZeRO-3 gathers the weight (and again for its backward)."""
+
+    def forward(self, h: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                chunk: int = 0) -> torch.Tensor:
+        """h (B, T, D) -> logits (B, T, V), or with targets (B, T) the 0-d fp32 loss."""
+        if targets is None:
+            return super().forward(h)
+        return linear_cross_entropy(h.reshape(-1, h.size(-1)), self.weight, targets.reshape(-1),
+                                    chunk)
+
+
 # --------------------------------------------------------------------------------------------
 # Model
 # --------------------------------------------------------------------------------------------
@@ -229,7 +245,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, device=meta)
         self.layers = nn.ModuleList(TransformerBlock(args, device=meta) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, device=meta)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False, device=meta)
+        self.output = OutputHead(args.dim, args.vocab_size, bias=False, device=meta)
         # Non-persistent: derived from args, so they never enter a checkpoint.
         self.register_buffer("rope_cos", torch.empty(0, device=meta), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0, device=meta), persistent=False)
@@ -302,7 +318,9 @@ class Transformer(nn.Module):
                 doc_ids: Optional[torch.Tensor] = None):
         """tokens (B, T) -> logits (B, T, V) in fp32, or ``(logits, loss)`` when targets are given.
 
-        Loss is the mean cross-entropy over targets != -100. For incremental decoding pass a
+        Loss is the mean cross-entropy over targets != -100. With ``args.loss_chunk`` > 0 it is
+        computed that many tokens at a time and the whole logits never exist: ``(None, loss)``
+        (ask without targets for logits). For incremental decoding pass a
         ``kv_cache`` from ``new_kv_cache`` and ``start_pos`` = number of tokens already in it; the
         new tokens sit at positions ``start_pos .. start_pos + T - 1``.
 
@@ -352,7 +370,11 @@ class Transformer(nn.Module):
                 h = checkpoint(layer, h, cos, sin, use_reentrant=False)
             else:
                 h = layer(h, cos, sin)
-        logits = self.output(self.norm(h)).float()  # (B, T, V)
+        h = self.norm(h)
+        chunk = self.args.loss_chunk
+        if targets is not None and chunk > 0:
+            return None, self.output(h, targets, chunk)
+        logits = self.output(h).float()  # (B, T, V)
         if targets is None:
             return logits
         loss = cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))

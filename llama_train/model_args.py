@@ -11,9 +11,32 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
+from llama_train.bounds import Range
 from llama_train.policy import may_change
 
 ROPE_SCALING_TYPES = ("default", "linear", "llama3")
+
+# Beyond these a shape builds nothing that could train (every field is also checked positive):
+# 8x the width of Llama 3 405B (16384), 32x its depth (126), a uint32 token file's ids, RoPE
+# tables for 16M positions (built whole at model build), a SwiGLU width rounded to 64K.
+_RANGES = {
+    "dim": Range(1, 2**17, integer=True, fix="the residual width (Llama 3 405B: 16384)"),
+    "n_layers": Range(1, 2**12, integer=True, fix="transformer blocks (Llama 3 405B: 126)"),
+    "vocab_size": Range(1, 2**32, integer=True, fix="token ids are stored as uint32 at most"),
+    "multiple_of": Range(1, 2**16, integer=True, fix="the SwiGLU width's rounding (LLaMA: "
+                                                     "256-4096)"),
+    "max_seq_len": Range(1, 2**24, integer=True, fix="positions the RoPE tables cover"),
+    "norm_eps": Range(0, 1, lo_open=True, hi_open=True, fix="RMSNorm's guard (LLaMA: 1e-5)"),
+    "init_std": Range(0, 1, lo_open=True, fix="the weights' initial standard deviation (0.02)"),
+    "ffn_dim_multiplier": Range(0, 16, lo_open=True, optional=True,
+                                fix="null for the plain LLaMA rule, or e.g. 1.3 as in LLaMA-3"),
+}
+
+# model.loss_chunk_tokens: null: chunks from this vocabulary up, of at most this many fp32 logits
+LOSS_CHUNK_MIN_VOCAB = 32000
+LOSS_CHUNK_ELEMENTS = 2**28  # 1 GiB of fp32 logits per chunk
+LOSS_CHUNK_RULE = (f"chunks of the largest power-of-two tokens whose fp32 logits fit in 1 GiB "
+                   f"from vocab_size {LOSS_CHUNK_MIN_VOCAB} up, else whole logits")
 
 
 @dataclass
@@ -47,6 +70,11 @@ class RopeScaling:
             setattr(self, name, _check_positive_float(f"rope_scaling.{name}", getattr(self, name)))
         _check_positive_int("rope_scaling.original_max_position_embeddings",
                             self.original_max_position_embeddings)
+        for name, rng in (("factor", Range(hi=2**16, fix="Llama 3.1 stretches 8 times")),
+                          ("original_max_position_embeddings", _RANGES["max_seq_len"])):
+            msg = rng.message(f"model.rope_scaling.{name}", getattr(self, name))
+            if msg is not None:
+                raise ValueError(msg)
         if self.type != "default" and self.factor < 1.0:
             raise ValueError(f"model.rope_scaling.factor={self.factor} must be >= 1: it stretches the "
                              f"context by that many times (Llama 3.1 uses 8)")
@@ -104,6 +132,11 @@ class ModelArgs:
     init_std: float = 0.02
     activation_checkpointing: bool = may_change(False)
     """Recompute each block in backward (per-block, non-reentrant); training mode only."""
+    loss_chunk_tokens: Optional[int] = may_change(None)
+    """Compute the output projection and the loss this many tokens at a time, never the whole
+    (tokens, vocab) logits nor their gradient (training and evaluation losses; logits asked for
+    without targets stay whole). 0: off; null: :attr:`loss_chunk` picks (on from a 32000-token
+    vocabulary). Same loss and gradients up to float rounding, so it may change on resume."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
@@ -116,11 +149,19 @@ class ModelArgs:
             self.ffn_dim_multiplier = _check_positive_float(
                 "ffn_dim_multiplier", self.ffn_dim_multiplier,
                 hint="use null for the plain LLaMA rule, or e.g. 1.3 as in LLaMA-3")
+        for name, rng in _RANGES.items():  # the upper bounds (and norm_eps, init_std below 1)
+            msg = rng.message(f"model.{name}", getattr(self, name))
+            if msg is not None:
+                raise ValueError(msg)
         self.rope_scaling = RopeScaling.coerce(self.rope_scaling)
         self.rope_scaling.check()
         for name in ("tie_embeddings", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} must be true or false")
+        c = self.loss_chunk_tokens
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= 2**24):
+            raise ValueError(f"model.loss_chunk_tokens={c!r} must be a whole number of tokens in "
+                             f"0..{2**24} (0: whole logits) or null (auto: {LOSS_CHUNK_RULE})")
         if self.dim % self.n_heads:
             raise ValueError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: "
@@ -156,6 +197,18 @@ class ModelArgs:
         (4096, 256) -> 11008; LLaMA-3 8B (4096, 1024, x1.3) -> 14336; 70B (8192, 4096, x1.3) -> 28672.
         """
         return ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
+
+    @property
+    def loss_chunk(self) -> int:
+        """Tokens per chunk of the loss (0: whole logits): ``loss_chunk_tokens``, or when null
+        the largest power of two whose fp32 logits fit in 1 GiB from a 32000-token vocabulary
+        (LLaMA 1/2's) up: 8192 tokens at 32000, 2048 at Llama 3's 128256. Below that the whole
+        logits are small next to the blocks' activations (docs/performance.md, "Chunked loss")."""
+        if self.loss_chunk_tokens is not None:
+            return self.loss_chunk_tokens
+        if self.vocab_size < LOSS_CHUNK_MIN_VOCAB:
+            return 0
+        return 1 << max((LOSS_CHUNK_ELEMENTS // self.vocab_size).bit_length() - 1, 0)
 
     SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim",
                     "tie_embeddings")

@@ -1,7 +1,8 @@
 """The tensor functions of the LLaMA model (llama_train.model, which re-exports every one):
 RoPE frequencies (with Llama 3.1's scaling), tables and the interleaved-pair rotation, the
-cross-entropy with a lean backward, document masks of packed windows, and next-token sampling. Plain torch: no nn.Module, no ModelArgs, no
-DeepSpeed or process groups.
+cross-entropy with a lean backward and the chunked one that never holds the whole logits
+(``linear_cross_entropy``), document masks of packed windows, and next-token sampling. Plain
+torch: no nn.Module, no ModelArgs, no DeepSpeed or process groups.
 
 RoPE convention and document masking: see llama_train.model's module docstring.
 """
@@ -98,6 +99,119 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     if not torch.is_grad_enabled() or not logits.requires_grad:
         return F.cross_entropy(logits, targets, ignore_index=ignore_index)
     return _CrossEntropy.apply(logits, targets, ignore_index)
+
+
+def _chunked_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
+                           ignore_index: int, chunk: int, scale: Optional[torch.Tensor] = None,
+                           grad_h: Optional[torch.Tensor] = None,
+                           grad_w: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 sum over targets != ignore_index of the cross-entropy of ``h @ w^T``, ``chunk`` rows
+    at a time: one (chunk, V) fp32 buffer holds a chunk's logits, then (in place) their
+    softmax and gradient. Given ``scale`` (0-d), also writes ``grad_h`` and adds into ``grad_w``
+    the gradient of ``scale * sum``, ``(softmax - onehot) * scale`` per valid row as in
+    :class:`_CrossEntropy`. h (N, D) and w (V, D) in the compute dtype, targets (N,) int64."""
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for lo in range(0, h.size(0), chunk):
+        hc, tc = h[lo:lo + chunk], targets[lo:lo + chunk]  # (c, D), (c,)
+        x = (hc @ w.t()).float()  # (c, V) logits
+        valid = tc != ignore_index
+        safe = torch.where(valid, tc, 0)[:, None]  # (c, 1)
+        x.sub_(x.amax(-1, keepdim=True))  # shifted, so exp cannot overflow
+        picked = x.gather(1, safe).squeeze(1)  # (c,) target logit - max
+        x.exp_()
+        z = x.sum(-1, keepdim=True)  # (c, 1)
+        total += ((z.squeeze(1).log() - picked) * valid).sum()  # logsumexp - target logit
+        if scale is None:
+            del x  # before the next chunk's logits exist
+            continue
+        x.div_(z).scatter_add_(1, safe, torch.full_like(picked[:, None], -1.0))  # softmax - onehot
+        g = x.mul_((scale * valid)[:, None]).to(h.dtype)  # (c, V) in the compute dtype
+        del x
+        if grad_h is not None:
+            grad_h[lo:lo + chunk] = g @ w  # (c, D)
+        if grad_w is not None:
+            if grad_w.dtype == g.dtype:
+                grad_w.addmm_(g.t(), hc)  # (V, D)
+            else:  # an fp32 weight under autocast: 16-bit product, summed in fp32
+                grad_w.add_(g.t() @ hc)
+        del g
+    return total
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``h @ w^T`` whose whole (N, V) logits never exist: see
+    :func:`linear_cross_entropy`.
+
+    ``eager``: the gradients (for a loss gradient of 1) are made in forward, chunk by chunk
+    while each chunk's logits exist, and backward only scales them by the loss gradient: no
+    logits are recomputed, so the FLOPs are those of the unchunked loss, and what is kept from
+    forward to backward is grad_h (N, D) and grad_w (V, D) in place of the plain path's saved h
+    (N, D) and the weight gradient its backward makes. Not eager (fp16): forward keeps h and w,
+    backward recomputes each chunk's logits with the loss gradient (fp16's loss scale) applied
+    before the 16-bit cast, as the plain path does; gradients of ~1/n per row would underflow
+    fp16 without it.
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                chunk: int, dtype: torch.dtype, eager: bool) -> torch.Tensor:
+        n = (targets != ignore_index).sum()
+        ctx.meta = (ignore_index, chunk, dtype, eager)
+        with torch.autocast(h.device.type, enabled=False):  # the compute dtype is explicit
+            hc, wc = h.to(dtype), w.to(dtype)
+            if not eager:
+                ctx.save_for_backward(h, w, targets, n)
+                return _chunked_cross_entropy(hc, wc, targets, ignore_index, chunk) / n
+            grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None  # (N, D)
+            grad_w = torch.zeros_like(w) if ctx.needs_input_grad[1] else None  # (V, D)
+            total = _chunked_cross_entropy(hc, wc, targets, ignore_index, chunk,
+                                           1.0 / n.clamp(min=1), grad_h, grad_w)
+        ctx.save_for_backward(grad_h, grad_w)
+        return total / n
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor):
+        ignore_index, chunk, dtype, eager = ctx.meta
+        if eager:
+            if getattr(ctx, "scaled", False):
+                raise RuntimeError("the chunked loss (model.loss_chunk_tokens) scales its saved "
+                                   "gradients in place: backward through it once, without "
+                                   "retain_graph, or set model.loss_chunk_tokens=0")
+            ctx.scaled = True
+            grad_h, grad_w = ctx.saved_tensors
+            for g in (grad_h, grad_w):
+                if g is not None:
+                    g.mul_(grad_loss)  # in place: no second (V, D) buffer
+            return grad_h, grad_w, None, None, None, None, None
+        h, w, targets, n = ctx.saved_tensors
+        with torch.autocast(h.device.type, enabled=False):
+            grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+            grad_w = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+            _chunked_cross_entropy(h.to(dtype), w.to(dtype), targets, ignore_index, chunk,
+                                   grad_loss / n.clamp(min=1), grad_h, grad_w)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk_tokens: int, ignore_index: int = -100) -> torch.Tensor:
+    """``cross_entropy(h @ weight.T, targets)`` computed ``chunk_tokens`` rows at a time: the
+    memory of one chunk's logits and gradient, (chunk, V), instead of the whole (N, V) and
+    its gradient (15.7 GiB per rank for Llama 3 8B at 32K tokens). h (N, D), weight (V, D),
+    targets (N,) int64. The matmuls run in the autocast dtype if autocast is on (as
+    ``F.linear`` would), else in h's; softmax and loss in fp32. Same loss and gradients to
+    float rounding, the output weight's gradient summed chunk by chunk in its own dtype."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+    kind = h.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(h, weight, targets, ignore_index, chunk_tokens, dtype,
+                                         dtype != torch.float16)
+    with torch.autocast(kind, enabled=False):
+        total = _chunked_cross_entropy(h.to(dtype), weight.to(dtype), targets, ignore_index,
+                                       chunk_tokens)
+    return total / (targets != ignore_index).sum()
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:

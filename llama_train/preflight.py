@@ -80,10 +80,16 @@ def preflight(cfg: Config) -> Preflight:
     from llama_train.data import check_compatible, prepare_data
     from llama_train.engine import detect_runtime
     from llama_train.faults import FaultPlan
+    from llama_train.paths import PathRefused, cache_dir
     from llama_train.resume import check_tokenizer
     from llama_train.runlock import RunLock, check_not_held_by_another_job
+    from llama_train.simulation import check_output_dir
     from llama_train.tracking import check_wandb_env
 
+    try:  # a LLAMA_TRAIN_CACHE that cannot be a directory: refused by name, first
+        cache_dir()
+    except PathRefused as e:
+        raise ConfigError(str(e)) from None
     rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
     setup_logging(rt.rank, rt.is_main)
     if rt.simulated:
@@ -91,11 +97,16 @@ def preflight(cfg: Config) -> Preflight:
 
         log.warning("%s", start_warning(rt.world_size, rt.rank))
         cfg = simulation_config(cfg)
+    check_output_dir(cfg, rt.simulated)  # a simulation and a real run never share a dir
     dp = data_parallel_size(cfg, rt.world_size)  # ranks / parallel.sequence
     cfg, experiment = plan_experiment(cfg, dp)
     candidate = _resume_candidate(cfg)  # looked for once: a file may change between looks
     cfg = _keep_checkpoint_batch(cfg, candidate, dp, rt.is_main)
     plan = validate(cfg, rt.world_size, rt.device_type)
+    if cfg.float8.enabled:  # torchao present, FP8 matmuls on this GPU (validate: device, precision)
+        from llama_train.float8 import check_device
+
+        check_device(cfg.float8, rt.device)
     if rt.is_main:
         for warning in config_warnings(cfg):
             log.warning("%s", warning)
@@ -111,13 +122,11 @@ def preflight(cfg: Config) -> Preflight:
         check_backend(cfg.comm, rt.device_type)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_run_paths(cfg)  # resolved paths, before the probe writes anything
     _check_writable(cfg.trainer.output_dir)
-    _check_run_paths(cfg)
     check_not_held_by_another_job(cfg.trainer.output_dir)  # every rank, before the data
     _check_one_history(cfg)
     resume = _check_resume(cfg, plan, rt.world_size, candidate)  # files only: before data, group
-    if resume is None:
-        _check_outside_metrics_file(cfg)
     try:
         prepared = prepare_data(cfg.data, vocab_size=cfg.model.vocab_size)
     except OSError as e:  # a write that names no file (ENOSPC in a shard): name the place
@@ -310,43 +319,35 @@ def run_paths(cfg: Config) -> Dict[str, Path]:
 
 
 def _check_run_paths(cfg: Config) -> None:
-    """Every path the run writes stays where it says: tracking.metrics_file may not climb out
-    of trainer.output_dir, and none of the run's own files or directories there may be a
+    """Every path the run writes stays in its trainer.output_dir (issue 54): the keys that name
+    one (tracking.metrics_file, tracking.tensorboard.dir, tracking.wandb.dir: relative to the
+    output dir) must resolve, through every symlink and ``..``, inside it and outside its
+    checkpoints/ and archive/ (tracking.tracking_paths, paths.run_path; an absolute path
+    elsewhere is refused too); none of the run's own files or directories there may be a
     symlink (a planted ``.lock`` link truncated its target, a ``config.yaml`` link had its
-    target overwritten, an ``archive`` link moved the history elsewhere). trainer.output_dir
-    itself may be a link; absolute paths given on purpose (tracking.metrics_file,
-    tracking.wandb.dir, tracking.tensorboard.dir) are the user's."""
+    target overwritten, an ``archive`` link moved the history elsewhere); and neither the
+    output dir nor data.prepared_dir may lie inside a checkpoint. trainer.output_dir itself may
+    be a link. The tracker checks its paths again when it starts writing."""
     import os.path
 
-    metrics = cfg.tracking.metrics_file
-    if not os.path.isabs(metrics) and os.path.normpath(metrics).split(os.sep)[0] in ("..", ""):
-        raise ConfigError(
-            f"tracking.metrics_file={metrics!r} leaves trainer.output_dir: the metrics file is "
-            f"part of the run's history, which one output_dir holds. Give a path inside it "
-            f"(default metrics.jsonl), or an absolute path to put it elsewhere on purpose.")
+    from llama_train.paths import inside_checkpoint
+    from llama_train.tracking import tracking_paths
+
+    for key, where in (("trainer.output_dir", cfg.trainer.output_dir),
+                       ("data.prepared_dir", cfg.data.prepared_dir)):
+        ckpt = inside_checkpoint(where) if where else None
+        if ckpt is not None:
+            raise ConfigError(
+                f"{key}={where!r} lies inside the checkpoint {ckpt}: writing there changes "
+                f"files its manifest vouches for. Give {key} a directory outside every "
+                f"checkpoint. Nothing was changed.")
     for key, path in run_paths(cfg).items():
         if path.is_symlink():
             raise ConfigError(
                 f"{path} is a symlink (to {os.readlink(path)}): the run would write through it "
                 f"into a file it does not own ({key}). Nothing was changed. Remove the link, or "
                 f"point trainer.output_dir at the directory where the run should live.")
-
-
-def _check_outside_metrics_file(cfg: Config) -> None:
-    """A fresh start begins a new metrics file. One outside trainer.output_dir (an absolute
-    tracking.metrics_file) is no part of the output dir's history, so it is never replaced,
-    archived or deleted: a fresh start refuses while it holds records."""
-    from llama_train.util import within
-
-    out = Path(cfg.trainer.output_dir).absolute()
-    metrics = (out / cfg.tracking.metrics_file).absolute()
-    if within(metrics, out):
-        return
-    if metrics.is_file() and metrics.stat().st_size > 0:
-        raise ConfigError(
-            f"tracking.metrics_file={metrics} is outside trainer.output_dir and already holds "
-            f"records: a new run would replace them, and files outside the output dir are "
-            f"never set aside or deleted. Move it away, or give another tracking.metrics_file.")
+    tracking_paths(cfg.tracking, cfg.trainer.output_dir)
 
 
 def _check_one_history(cfg: Config) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Union
 
+from llama_train.paths import replace_file
 from llama_train.util import jsonable
 
 RUN_INFO_FILE = "run_info.json"
@@ -38,6 +39,50 @@ STEP, TIME, EVENT = "step", "time", "event"  # the keys every metrics.jsonl line
 VAL_LOSS = "val_loss"
 
 PathLike = Union[str, Path]
+
+
+# ---------------------------------------------------------------------------------------------
+# Credentials of the environment never reach a saved file (docs/reliability.md)
+# ---------------------------------------------------------------------------------------------
+
+# An environment variable holds a credential when its name ends in KEY or has one of these
+# parts (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, DB_PASSWORD, GITHUB_TOKEN_RO): every
+# name config.is_secret_key calls a secret, and more.
+_SECRET_ENV_PARTS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+# Shorter values are flags ("1", "true", TOKENIZERS_PARALLELISM=false), not credentials, and
+# replacing them inside other text would mangle it.
+_MIN_SECRET_CHARS = 6
+
+
+def secret_env_values() -> List[tuple]:
+    """``(value, name)`` of every environment variable holding a credential by its name, at
+    least _MIN_SECRET_CHARS long, longest value first."""
+    import os
+
+    def secret(name: str) -> bool:
+        n = name.upper().replace("-", "_")
+        return n.endswith("KEY") or any(part in n for part in _SECRET_ENV_PARTS)
+
+    found = [(v, k) for k, v in os.environ.items() if len(v) >= _MIN_SECRET_CHARS and secret(k)]
+    return sorted(found, key=lambda vk: -len(vk[0]))
+
+
+def scrub_secret_values(obj: Any, secrets: Optional[List[tuple]] = None) -> Any:
+    """``obj`` with every credential of the environment (secret_env_values) replaced, inside
+    any string, by ``$NAME``: what ``${oc.env:HF_TOKEN}`` (or a shell's ``$HF_TOKEN``) put into
+    a value whose key names no secret. Through nested dicts and lists. ``$NAME`` is no OmegaConf
+    interpolation: a saved config read back never resolves it."""
+    secrets = secret_env_values() if secrets is None else secrets
+    if isinstance(obj, str):
+        for value, name in secrets:
+            if value in obj:
+                obj = obj.replace(value, f"${name}")
+        return obj
+    if isinstance(obj, dict):
+        return {k: scrub_secret_values(v, secrets) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [scrub_secret_values(v, secrets) for v in obj]
+    return obj
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,7 +140,10 @@ class RunInfo:
         return out
 
     def write(self, path: PathLike) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        """The file, whole (a symlink at ``path`` is replaced, never written through), with
+        every credential of the environment in it (the command may carry one a shell
+        expanded) replaced by ``$NAME`` (scrub_secret_values)."""
+        replace_file(path, json.dumps(scrub_secret_values(self.to_dict()), indent=1))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RunInfo":

@@ -86,6 +86,16 @@ class Recovery:
                 f"(recovery.max_rollbacks={self.cfg.max_rollbacks}); stopping so that nothing "
                 f"worse is saved. The newest good checkpoint is {last_good}; inspect the data "
                 f"window {bad_window} (global samples) or lower optim.lr.")
+        if last_good is None and s.loss_ema is None:
+            # not one good step since the start: no checkpoint interval would have saved one
+            raise TrainingAborted(
+                f"step {bad_step}: {verdict}, and no step of this run has been good yet (each "
+                f"one since its first had a non-finite loss or gradients): there is nothing to "
+                f"roll back to, and saving more often would not change that. The weights it "
+                f"started from (trainer.init_from, or the initialisation) or the first batches "
+                f"of its data give non-finite losses: check those weights (every value finite, "
+                f"the model config they were trained with) and the data; optim.lr plays no part "
+                f"in a first step's loss.")
         if last_good is None:
             raise TrainingAborted(
                 f"step {bad_step}: {verdict} needs a rollback but this run has no checkpoint "

@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
+from llama_train.bounds import SIMULATE_MAX_RANKS as MAX_RANKS  # (why: there)
 from llama_train.meter import PeakMeter, process_age_s
 
 log = logging.getLogger("llama_train")
@@ -278,6 +279,69 @@ def simulation_config(cfg):
 
     tracking = replace(cfg.tracking, wandb=replace(cfg.tracking.wandb, mode="disabled"))
     return replace(cfg, tracking=tracking, sample=replace(cfg.sample, tokens=0))
+
+
+def runs_in(output_dir: str) -> Dict[str, List[str]]:
+    """Who wrote what an output dir holds, from its files: ``{"real": [...], "simulated":
+    [...]}``, each a list of the names that tell (a checkpoint's trainer_state.json has
+    ``simulated`` for a simulated rank's; config.yaml has comm.simulate_ranks). A file that
+    cannot be read tells nothing (the resume's own checks name it)."""
+    import json
+
+    import yaml
+
+    out, found = Path(output_dir), {"real": [], "simulated": []}
+    ckpts = out / "checkpoints"
+    for p in sorted(ckpts.iterdir()) if ckpts.is_dir() else ():
+        # a save's name (checkpoint.step_of), a real directory
+        if not (p.name.startswith("step_") and p.name[5:].isdigit()) or p.is_symlink():
+            continue
+        try:
+            state = json.loads((p / "trainer_state.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(state, dict):
+            found["simulated" if state.get("simulated") else "real"].append(f"checkpoints/{p.name}")
+    try:
+        saved = yaml.safe_load((out / "config.yaml").read_text())
+        comm = saved.get("comm") or {}
+        found["simulated" if comm.get("simulate_ranks") else "real"].append(
+            "config.yaml" + (f" (simulated rank {comm.get('simulate_rank', 0)} of "
+                              f"{comm['simulate_ranks']})" if comm.get("simulate_ranks") else ""))
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        pass
+    return found
+
+
+def check_output_dir(cfg, simulated: bool) -> None:
+    """A simulated rank and a real job never share an output dir (issue 54). A simulation
+    refuses a directory that holds a real run: it would add its one-rank checkpoint and replace
+    the run's config.yaml, metrics and run_info.json, after which the real relaunch was refused.
+    A real job refuses one that holds only a simulation's files, unless it sets them aside
+    (trainer.resume=never with trainer.on_existing=archive or overwrite); a simulation's
+    checkpoints are refused by the resume check (llama_train.resume), which names them. From
+    files, on every rank, before anything is written. ConfigError naming the fix."""
+    from llama_train.config import ConfigError
+
+    t = cfg.trainer
+    found = runs_in(t.output_dir)
+    if simulated and found["real"]:
+        raise ConfigError(
+            f"comm.simulate_ranks={cfg.comm.simulate_ranks}: trainer.output_dir={t.output_dir!r} "
+            f"holds a real run ({', '.join(found['real'][-3:])}): a simulated rank never writes "
+            f"into a real run's directory (it would add a one-rank checkpoint and replace the "
+            f"run's config.yaml, metrics and run_info.json). Give the simulation its own "
+            f"trainer.output_dir. Nothing was changed.")
+    sim_ckpts = any(n.startswith("checkpoints/") for n in found["simulated"])
+    setting_aside = t.resume == "never" and t.on_existing != "refuse"
+    if (not simulated and found["simulated"] and not found["real"] and not sim_ckpts
+            and not setting_aside):
+        raise ConfigError(
+            f"trainer.output_dir={t.output_dir!r} holds a simulated rank's run "
+            f"({', '.join(found['simulated'])}): a real job never continues or replaces a "
+            f"simulation's files. Give the real job its own trainer.output_dir, or set the "
+            f"simulation aside with trainer.resume=never trainer.on_existing=archive. Nothing "
+            f"was changed.")
 
 
 if __name__ == "__main__":  # python -m llama_train.simulation OUTPUT_DIR

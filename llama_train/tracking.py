@@ -16,6 +16,7 @@ TensorBoard hides what the abandoned steps wrote (docs/tracking.md).
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import netrc
 import os
@@ -28,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 from llama_train.config import ConfigError, TrackingConfig, WandbConfig
+from llama_train.paths import PathRefused, replace_file, run_path
 from llama_train.records import EVENT, EventRecord, Record, StepRecord, parse_line
 
 log = logging.getLogger("llama_train")
@@ -72,6 +74,51 @@ def check_wandb_env(cfg: TrackingConfig) -> None:
             f"mode of this run).")
 
 
+# wandb.init waits 90 s by default (its Settings.init_timeout) for a server it cannot reach,
+# then raises; an online run falls back to offline after at most this (WANDB_INIT_TIMEOUT
+# overrides it). A server that cannot be reached at all (a name that does not resolve, a
+# connection refused, no route) is found by a TCP probe in WANDB_PROBE_TIMEOUT_S.
+WANDB_INIT_TIMEOUT_S = 20.0
+WANDB_PROBE_TIMEOUT_S = 5.0
+_PROXY_ENV = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def wandb_init_timeout() -> float:
+    try:
+        value = float(os.environ.get("WANDB_INIT_TIMEOUT", WANDB_INIT_TIMEOUT_S))
+    except ValueError:
+        return WANDB_INIT_TIMEOUT_S
+    return value if value > 0 else WANDB_INIT_TIMEOUT_S
+
+
+def wandb_unreachable() -> Optional[str]:
+    """Why W&B's server (its base URL: WANDB_BASE_URL, ``wandb login --host``, else W&B's
+    default) cannot be reached from this host, or None when a TCP connection to it opens, or a
+    proxy stands between (then wandb.init's own timeout decides)."""
+    import socket
+
+    import wandb
+
+    settings = wandb.setup().settings  # W&B's own reading of its environment and files
+    if any(os.environ.get(k) for k in _PROXY_ENV) or settings.https_proxy or \
+            settings.http_proxy:
+        return None
+    url = urlsplit(str(settings.base_url))
+    if not url.hostname:
+        return None
+    port = url.port or (443 if url.scheme == "https" else 80)
+    where = f"{url.scheme}://{url.hostname}:{port}"
+    try:
+        socket.create_connection((url.hostname, port), timeout=WANDB_PROBE_TIMEOUT_S).close()
+    except socket.gaierror as e:
+        return f"{url.hostname} does not resolve: {e.strerror}"
+    except socket.timeout:
+        return f"{where} did not answer within {WANDB_PROBE_TIMEOUT_S:g}s"
+    except OSError as e:
+        return f"{where}: {e.strerror or e}"
+    return None
+
+
 def resolve_wandb_mode(mode: Optional[str]) -> str:
     if mode is not None:
         return mode
@@ -106,6 +153,36 @@ def wandb_sync_command(dirs: List[Path]) -> str:
     return "wandb sync " + " ".join(shlex.quote(str(Path(d).resolve())) for d in dirs)
 
 
+# Names in the output dir that only the run itself writes there (checkpoint.RUN_FILES, the lock,
+# the default W&B and TensorBoard directories): tracking.metrics_file may not be one of them.
+RESERVED = ("config.yaml", "run_info.json", "sample.txt", ".lock", "wandb", "tensorboard")
+
+
+def tracking_paths(cfg: TrackingConfig, output_dir: Any) -> Dict[str, Path]:
+    """Where the tracker writes, by the key that puts it there: ``tracking.metrics_file``
+    (default metrics.jsonl), ``tracking.tensorboard.dir`` (default tensorboard) and
+    ``tracking.wandb.dir`` (default the output dir; W&B writes ``<dir>/wandb/``). Each is
+    relative to trainer.output_dir (or absolute) and must resolve, through symlinks and
+    ``..``, inside it and outside its checkpoints/ and archive/ (paths.run_path), whether or
+    not its sink is enabled: ConfigError naming the key otherwise."""
+    try:
+        return _tracking_paths(cfg, output_dir)
+    except PathRefused as e:
+        raise ConfigError(str(e)) from None
+
+
+def _tracking_paths(cfg: TrackingConfig, output_dir: Any) -> Dict[str, Path]:
+    return {
+        "tracking.metrics_file": run_path(output_dir, cfg.metrics_file, "tracking.metrics_file",
+                                          "metrics.jsonl", reserved=RESERVED),
+        "tracking.tensorboard.dir": run_path(output_dir, cfg.tensorboard.dir,
+                                             "tracking.tensorboard.dir", "tensorboard",
+                                             directory=True),
+        "tracking.wandb.dir": run_path(output_dir, cfg.wandb.dir, "tracking.wandb.dir", ".",
+                                       directory=True),
+    }
+
+
 def _number(v: Any) -> Optional[float]:
     """A value TensorBoard can plot (ints, floats, NaN included), else None. metrics.jsonl's
     "nan", "inf" and "-inf" (util.jsonable) count as the numbers they stand for."""
@@ -131,15 +208,19 @@ class Tracker:
         self.cfg = cfg
         self.enabled = rank == 0 if lead is None else lead
         self.output_dir = Path(output_dir)
-        self.metrics_path = self.output_dir / cfg.metrics_file
+        # each relative to output_dir and confined to it (checked in preflight, again in start)
+        paths = tracking_paths(cfg, output_dir)
+        self.metrics_path = paths["tracking.metrics_file"]
         self.run_config = run_config or {}
         self.run_id: Optional[str] = None
         self._wandb = None
         self.wandb_dir: Optional[Path] = None  # where W&B puts its run directories
         self.mode = resolve_wandb_mode(cfg.wandb.mode)
+        self.offline_because: Optional[str] = None  # an online run W&B's server never saw
         self.lines = 0  # complete lines in metrics.jsonl
         self._resume_lines: Optional[int] = None
-        self.tb_dir = Path(cfg.tensorboard.dir or self.output_dir / "tensorboard")
+        self.tb_dir = paths["tracking.tensorboard.dir"]
+        self.wandb_base = paths["tracking.wandb.dir"]  # W&B writes <this>/wandb/
         self._tb = None  # torch.utils.tensorboard.SummaryWriter on rank 0
         if cfg.tensorboard.enabled:  # every rank checks, so all of them stop together
             try:
@@ -171,7 +252,9 @@ class Tracker:
         died are replaced by the lines of the run that continues."""
         if not self.enabled:
             return
+        tracking_paths(self.cfg, self.output_dir)  # a link planted since preflight: refused
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is None:
             if self.metrics_path.exists():
                 self.metrics_path.unlink()  # a fresh run starts a fresh history
@@ -223,9 +306,7 @@ class Tracker:
         self._write(kept)
 
     def _write(self, lines) -> None:
-        tmp = self.metrics_path.with_suffix(".tmp")
-        tmp.write_text("".join(k + "\n" for k in lines))
-        os.replace(tmp, self.metrics_path)
+        replace_file(self.metrics_path, "".join(k + "\n" for k in lines))  # never through a link
         self.lines = len(lines)
 
     def _open_tensorboard(self, purge_step: int) -> None:
@@ -251,22 +332,49 @@ class Tracker:
         if self.run_id is None:
             alphabet = string.ascii_lowercase + string.digits  # W&B's own id alphabet
             self.run_id = "".join(secrets.choice(alphabet) for _ in range(8))
-        wandb_dir = Path(w.dir or self.output_dir)
+        wandb_dir = self.wandb_base
         wandb_dir.mkdir(parents=True, exist_ok=True)
         project, entity = resolve_wandb_target(w)
-        self._wandb = wandb.init(
-            project=project,
-            entity=entity,
-            name=w.name,
-            group=w.group,
-            tags=list(w.tags) or None,
-            dir=str(wandb_dir),
-            id=self.run_id,
-            resume="allow",
-            mode=self.mode,
-            config=self.run_config,
-            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
-        )
+
+        def init(mode: str, **settings: Any):
+            return wandb.init(
+                project=project,
+                entity=entity,
+                name=w.name,
+                group=w.group,
+                tags=list(w.tags) or None,
+                dir=str(wandb_dir),
+                id=self.run_id,
+                resume="allow",
+                mode=mode,
+                config=self.run_config,
+                settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
+                                        **settings),
+            )
+
+        unreachable = wandb_unreachable() if self.mode == "online" else None
+        if self.mode == "online" and unreachable is None:
+            timeout = wandb_init_timeout()
+            try:
+                self._wandb = init("online", init_timeout=timeout)
+            except wandb.errors.Error as e:  # CommError after init_timeout, a refused key, ...
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                unreachable = (f"wandb.init failed within {timeout:g}s (WANDB_INIT_TIMEOUT): "
+                               f"{type(e).__name__}: {first[:300]}")
+                # W&B's service still holds the run id of the attempt: a fresh service for
+                # the offline run ("run ID ... is in use" otherwise)
+                wandb.teardown()
+        if unreachable is not None:
+            # No network on a compute node is common: train on, log offline, upload later
+            self.offline_because = unreachable
+            log.warning(
+                "wandb: cannot log online (%s): this run logs to W&B offline instead, and its "
+                "end prints the `wandb sync` command that uploads it; "
+                "tracking.wandb.mode=offline skips the attempt, =disabled turns W&B off",
+                unreachable)
+            self.mode = "offline"
+        if self._wandb is None:
+            self._wandb = init(self.mode)
         try:  # W&B's own choice (<dir>/wandb, or <dir>/.wandb where that exists)
             self.wandb_dir = Path(self._wandb.settings.wandb_dir)
         except (AttributeError, TypeError):
@@ -279,7 +387,19 @@ class Tracker:
 
     # -- logging ---------------------------------------------------------------------------
     def _append(self, record: Record) -> None:
-        with open(self.metrics_path, "a") as f:
+        # O_NOFOLLOW: a link planted at the file's name fails the write, never is followed
+        try:
+            fd = os.open(self.metrics_path,
+                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise ConfigError(
+                f"{self.metrics_path} (tracking.metrics_file) became a symlink to "
+                f"{os.readlink(self.metrics_path)} while the run wrote it: nothing was written "
+                f"through it. Remove the link and relaunch: the run resumes from its last "
+                f"checkpoint.") from None
+        with os.fdopen(fd, "a") as f:
             f.write(record.to_line())
             f.flush()
         self.lines += 1
@@ -340,7 +460,8 @@ class Tracker:
         if not dirs:
             return None
         why = ("tracking.wandb.mode=offline" if self.cfg.wandb.mode == "offline"
-               else "no W&B API key was found")
+               else f"it could not log online at start: {self.offline_because}"
+               if self.offline_because else "no W&B API key was found")
         many = (f"{len(dirs)} directories, one per start of the run (each resume adds one); "
                 f"wandb sync uploads them in order into the one run"
                 if len(dirs) > 1 else "1 directory; each resume adds another")

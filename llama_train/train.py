@@ -5,8 +5,10 @@ line that says what to do.
 
 Works unchanged under the ``deepspeed`` launcher (its ``--local_rank=N`` is taken off argv before
 Hydra parses it) and as a plain single process. Exit codes (docs/reliability.md): 2 bad config or
-data, 3 a checkpoint could not be saved or loaded, 4 the fault policy gave up, 5 another rank was
-lost, 128+N stopped by signal N (130: Ctrl-C) after saving.
+data (also the rendezvous: MASTER_PORT in use, MASTER_ADDR unresolvable), 3 a checkpoint could
+not be saved or loaded, 4 the fault policy gave up, 5 another rank was lost, 6 a DataLoader worker
+of this rank died (the OOM killer's SIGKILL, a crash), 128+N stopped by signal N (130: Ctrl-C)
+after saving.
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ def _strip_launcher_args(argv: List[str]) -> List[str]:
 
 
 # Exit codes (docs/reliability.md): 2 bad config or data, 3 a checkpoint could not be saved or
-# loaded, 4 the fault policy gave up, 5 another rank was lost; 128+N stopped by signal N
-# (llama_train.trainer.StopSignals).
+# loaded, 4 the fault policy gave up, 5 another rank was lost, 6 a DataLoader worker died
+# (llama_train.data.loader.DataWorkerDied, raised as a DataInterrupted with its exit_code);
+# 128+N stopped by signal N (llama_train.trainer.StopSignals).
 EXIT_BAD_INPUT, EXIT_CHECKPOINT, EXIT_ABORTED, EXIT_LOST_RANK = 2, 3, 4, 5
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C: 130, as a shell reports a command it ended
 LOST_RANK_EXIT_DELAY_S = 2.5
@@ -111,8 +114,9 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
             return RunInfo.final_val_loss_of(pre.cfg.trainer.output_dir)
         result = trainer.fit()
     except DataInterrupted as e:
-        # the data changed under the running job (DataChanged: exit 3), seen by this rank
-        # alone, maybe: one line and exit now, as for an unwritable output_dir below
+        # the data changed under the running job (DataChanged: exit 3), or a DataLoader worker
+        # died (DataWorkerDied: exit 6), seen by this rank alone, maybe: one line and exit now,
+        # as for an unwritable output_dir below
         say_error(str(e))
         logging.shutdown()
         exit_skipping_teardown(e.exit_code)
@@ -195,12 +199,25 @@ def _disk_error(e: OSError, cfg: Optional[Config]) -> str:
                 break
     free = free_bytes(path)
     free = f"; {free / 2**20:.1f} MiB free on its filesystem" if free is not None else ""
-    cause = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
-             errno.EROFS: "the filesystem is read-only", errno.EBUSY: "the file is busy (in use "
-             "by another program, or a mount point)"}.get(e.errno, e.strerror or str(e))
-    return (f"cannot use {path}: {cause} ({e.strerror}){free}. Free space, fix the permissions "
-            f"or the mount, or point {where} elsewhere, then relaunch; checkpoints already "
-            f"saved are intact.")
+    cause, fix = _disk_cause(e)
+    return (f"cannot use {path}: {cause} ({e.strerror}){free}. {fix}, or point {where} "
+            f"elsewhere, then relaunch; checkpoints already saved are intact.")
+
+
+def _disk_cause(e: OSError) -> Tuple[str, str]:
+    """(the cause of a disk error in words, what to do about it), by its errno: a full disk
+    is not fixed by permissions, nor a read-only mount by free space."""
+    return {
+        errno.ENOSPC: ("the disk is full", "Free space on it"),
+        errno.EDQUOT: ("the disk quota is exhausted", "Free space within the quota or raise it"),
+        errno.EROFS: ("the filesystem is read-only", "Remount it read-write"),
+        errno.EACCES: ("this user may not write there", "Give this user write permission"),
+        errno.EPERM: ("the operation is not permitted there",
+                      "Give this user write permission"),
+        errno.EIO: ("the disk returned an I/O error", "Check the disk (`dmesg` names the device)"),
+        errno.EBUSY: ("the file is busy (in use by another program, or a mount point)",
+                      "Free it"),
+    }.get(e.errno, (e.strerror or str(e), "Fix the disk"))
 
 
 def _unwritable(e: OSError, output_dir: str) -> str:
@@ -210,9 +227,11 @@ def _unwritable(e: OSError, output_dir: str) -> str:
     latest, _ = find_latest(Path(output_dir) / "checkpoints", checksums=False)
     kept = (f"the last complete checkpoint, {latest}, is intact" if latest else
             "no checkpoint had been saved yet")
-    return (f"cannot write {e.filename}: {e.strerror} (trainer.output_dir={output_dir} is "
-            f"read-only, full or gone). Stopped; {kept}. Fix the disk or mount and relaunch: "
-            f"the run resumes from the last complete checkpoint.")
+    cause, fix = _disk_cause(e)
+    then = ("the run resumes from the last complete checkpoint" if latest else
+            "the run starts again from step 0")
+    return (f"cannot write {e.filename}: {e.strerror} ({cause}: trainer.output_dir={output_dir}). "
+            f"Stopped; {kept}. {fix} and relaunch: {then}.")
 
 
 def sweep_job_dir(cfg: Config, dcfg: DictConfig):

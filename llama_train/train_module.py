@@ -100,7 +100,8 @@ class TrainModule:
             return loss
         mine, everyone = int((ys != -100).sum()), int((y != -100).sum())
         if mine == 0:  # no target here: nothing to add, but the backward runs on every rank
-            return logits.sum() * 0.0
+            # (the chunked loss returns no logits; its loss over no targets is NaN: zeroed)
+            return (loss.nan_to_num(0.0) if logits is None else logits.sum()) * 0.0
         return loss * (mine / everyone)
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> Tuple[torch.Tensor, int]:

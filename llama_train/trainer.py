@@ -38,6 +38,7 @@ from llama_train.hooks import Hook
 from llama_train.model import count_params, flops_per_token
 from llama_train.proc import job_command, launcher_gone, stop_with_launcher
 from llama_train.optim import param_groups
+from llama_train.paths import replace_file
 from llama_train.records import RUN_INFO_FILE, RunInfo
 from llama_train.recovery import Recovery
 from llama_train.resume import ResumeCheck, log_changes
@@ -306,7 +307,7 @@ class Trainer:
                                         model_dim=self.model_args.dim)
         with self._phase("build"):
             model = eng.build_model(self.model_args, ds_config, self.rt.device, t.seed,
-                                    mpu=self.seq_mpu)
+                                    mpu=self.seq_mpu, float8=self.cfg.float8)
             if t.init_from and self.resume_from is None:
                 check_init_from(t.init_from, self.model_args)
                 eng.load_full_state(model, read_init_from(t.init_from, with_weights=True)[1],
@@ -601,7 +602,7 @@ class Trainer:
         if self.rt.is_main:  # only now: a resume that fails to load leaves the run's files as
             out = Path(self.cfg.trainer.output_dir)  # they were (a finished run's final_*)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "config.yaml").write_text(OmegaConf.to_yaml(self.run_config))
+            replace_file(out / "config.yaml", OmegaConf.to_yaml(self.run_config))  # no link
             self.write_run_info()
         self.tracker.start(resume_step=self.state.step if ckpt is not None else None,
                            checkpoint=str(ckpt) if ckpt is not None else None)
@@ -650,7 +651,7 @@ class Trainer:
                 sample_file = Path(self.cfg.trainer.output_dir) / "sample.txt"
                 if sample is not None:
                     log.info("sample: %r", sample)
-                    sample_file.write_text(sample + "\n")
+                    replace_file(sample_file, sample + "\n")  # never through a link
                 else:  # an earlier start's sample does not describe this end
                     sample_file.unlink(missing_ok=True)
                 self.write_run_info(final_val_loss=self.val_loss if self.sim is None else None,

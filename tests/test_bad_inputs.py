@@ -140,7 +140,7 @@ def _cases(work: Path, out: Path):
           "trainer.on_existing=overwrite"], 2, ["leaves trainer.output_dir"]),
         ("an outside metrics file that holds records",
          [f"tracking.metrics_file={notes}", *elsewhere], 2,
-         ["is outside trainer.output_dir and already holds records"]),
+         ["tracking.metrics_file=", "leaves trainer.output_dir"]),
         # -- the machine --
         ("cuda without a GPU", ["trainer.device=cuda"], 2, ["trainer.device=cuda", "auto"]),
         ("output_dir under a file", [f"trainer.output_dir={notes}/out"], 2,

@@ -215,16 +215,21 @@ def test_the_extracted_corpus_is_kept_on_disk_checked_and_never_trusted_blindly(
     monkeypatch.setattr(corpus, "_CORPORA", {})
     assert corpus.builtin_corpus() == list(docs) and len(calls) == 5  # read, not extracted
 
+    # a cache that cannot be a directory is refused naming the variable (issue 54), not used
+    from llama_train.paths import PathRefused
+
     (tmp_path / "file").write_text("not a directory")
     monkeypatch.setenv("LLAMA_TRAIN_CACHE", str(tmp_path / "file"))
-    assert corpus.cached_corpus("builtin", extract) == docs and len(calls) == 6
+    with pytest.raises(PathRefused, match="LLAMA_TRAIN_CACHE="):
+        corpus.cached_corpus("builtin", extract)
+    assert len(calls) == 5
 
     def disk_full(*_):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setenv("LLAMA_TRAIN_CACHE", str(tmp_path / "full"))
     monkeypatch.setattr(corpus, "_write_cache", disk_full)
-    assert corpus.cached_corpus("builtin", extract) == docs and len(calls) == 7  # once, not twice
+    assert corpus.cached_corpus("builtin", extract) == docs and len(calls) == 6  # once, not twice
 
 
 @pytest.mark.slow

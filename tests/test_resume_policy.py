@@ -28,11 +28,12 @@ MAY_CHANGE = {
     "deepspeed.steps_per_print", "data.name", "data.prepared_dir", "data.num_proc",
     "data.num_workers", "data.verify", "data.shard_tokens", "data.dtype", "data.streaming",
     "data.tokenizer", "data.tokenizer_max_sentences", "data.tokenizer_max_line_bytes",
-    "model.activation_checkpointing",
+    "model.activation_checkpointing", "model.loss_chunk_tokens",
     "deepspeed.stage3_max_live_parameters", "deepspeed.stage3_max_reuse_distance",
     "deepspeed.sub_group_size", "deepspeed.extra",
 }
-MAY_CHANGE_GROUPS = ("recovery.", "sample.", "tracking.", "comm.")
+# float8: FP8 matmuls on or off change the rounding of later steps, not the weights or state
+MAY_CHANGE_GROUPS = ("recovery.", "sample.", "tracking.", "comm.", "float8.")
 PER_LAUNCH = {"trainer.output_dir", "trainer.resume", "trainer.steps_this_run",
               "trainer.on_existing", "trainer.allow_config_change", "trainer.init_from",
               "trainer.dry_run", "scaling.max_epochs", "scaling.tolerance"}

@@ -568,12 +568,15 @@ def test_fp32_memory_and_offload():
         model_memory(args, world_size=0)
 
 
-@pytest.mark.parametrize("dtype,ckpt,kv", [("fp32", False, 2), ("fp32", True, 4), ("bf16", False, 2), ("bf16", True, 2)])
-def test_activation_estimate_equals_saved_tensors(dtype, ckpt, kv):
-    """The formula counts exactly the tensors autograd saves in this model's forward."""
+@pytest.mark.parametrize("dtype,ckpt,kv,chunk", [
+    ("fp32", False, 2, 0), ("fp32", True, 4, 0), ("bf16", False, 2, 0), ("bf16", True, 2, 0),
+    ("fp32", False, 2, 48), ("bf16", True, 2, 48), ("bf16", False, 4, 1000)])
+def test_activation_estimate_equals_saved_tensors(dtype, ckpt, kv, chunk):
+    """The formula counts exactly the tensors autograd saves in this model's forward, with the
+    loss over the whole logits (chunk 0) or in chunks (model.loss_chunk_tokens)."""
     torch.manual_seed(0)
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=kv, vocab_size=512, multiple_of=32,
-                     max_seq_len=64, activation_checkpointing=ckpt)
+                     max_seq_len=64, activation_checkpointing=ckpt, loss_chunk_tokens=chunk)
     model = Transformer(args).to(torch.bfloat16 if dtype == "bf16" else torch.float32).train()
     owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     saved = {}
@@ -593,8 +596,9 @@ def test_activation_estimate_equals_saved_tensors(dtype, ckpt, kv):
     # The formula counts the activations; the faster RoPE (a complex multiply, which also saves
     # its (T, hd/2) complex factor per call) and the fused loss (its (N,) mask) add a few KB that
     # do not grow with width, so allow 1.5%.
-    measured = sum(saved.values()) - 4
+    measured = sum(saved.values()) - (0 if chunk else 4)  # the chunked loss saves no scalar
     expected = est["layers"] + est["head"]
+    assert est["loss_chunk_tokens"] == chunk
     assert expected <= measured <= expected * 1.015, (measured, expected)
     assert est["total"] == est["layers"] + est["recompute"] + est["head"]
 
@@ -613,14 +617,20 @@ def test_sequence_parallel_activations_are_the_ranks_share():
     """N ranks sharing each sequence: every term of s/N tokens, but k and v of the whole
     sequence for n_kv_heads / N heads (at least one); the logits' gradient of s/N tokens."""
     args = load_preset("llama3_1_8b")  # 8 kv heads of 128
-    one = activation_memory(args, 1, 32768, "bf16", sequence_parallel=1)
+    one = activation_memory(args, 1, 32768, "bf16", sequence_parallel=1, loss_chunk_tokens=0)
+    chunked = activation_memory(args, 1, 32768, "bf16", sequence_parallel=1)  # 2048 by default
+    grad_w = 2 * args.vocab_size * args.dim  # the output weight's gradient, whatever the tokens
     for n in (2, 8, 16):
-        part = activation_memory(args, 1, 32768, "bf16", sequence_parallel=n)
+        part = activation_memory(args, 1, 32768, "bf16", sequence_parallel=n, loss_chunk_tokens=0)
         kv_one = 2 * 2 * 32768 * 8 * 128
         kv_part = 2 * 2 * 32768 * max(8 // n, 1) * 128
         assert part["per_layer"] == (one["per_layer"] - kv_one) / n + kv_part
         assert part["head"] == one["head"] / n and part["sequence_parallel"] == n
         assert part["backward_transient"] == 4 * (32768 // n) * args.vocab_size
+        # chunked: a chunk of 2048 tokens (or all of the rank's, if fewer) at a time
+        part = activation_memory(args, 1, 32768, "bf16", sequence_parallel=n)
+        assert part["head"] - grad_w == (chunked["head"] - grad_w) / n
+        assert part["backward_transient"] == min(2048, 32768 // n) * args.vocab_size * (4 + 2)
     with pytest.raises(ScalingError, match="sequence_parallel=3"):
         activation_memory(args, 1, 32768, "bf16", sequence_parallel=3)
 
@@ -712,7 +722,12 @@ def test_cli_model_info_of_8b_builds_no_model(monkeypatch, capsys):
     assert time.perf_counter() - t0 < 5.0  # ~0.3 s here once DeepSpeed is imported
     out = capsys.readouterr().out
     for figure in ("total          8,030,261,248", "ZeRO-3                    1.87 GiB    2.34 GiB",
-                   "32.57 GiB = 4.35 B/param", "persistent params       520.0 KiB",
+                   # 32.57 GiB = 4.35 B/param with whole logits; the chunked loss (2048 tokens)
+                   # keeps 4096 * (4 * 128256 + 8) B less in the head but the output weight's
+                   # gradient (2 * 128256 * 4096 B) more, and its transient is 2048 * 128256 * 6 B,
+                   # not 4096 * 128256 * 4: 1.47 GiB less
+                   "31.10 GiB = 4.16 B/param", "loss in chunks of 2048 tokens",
+                   "persistent params       520.0 KiB",
                    "gathered params          1.01 GiB", "4.06 GiB per GPU + 187.88 GiB CPU"):
         assert figure in out, figure
     assert "meta-device build" not in out

@@ -5,6 +5,14 @@ from __future__ import annotations
 import importlib
 import sys
 
+from llama_train.bounds import Range
+
+# Ranges shared by the benches' numeric options (each bench lists its own, checked at parse)
+COUNT = Range(1, integer=True, fix="at least one")  # rounds, steps, sizes
+COUNT0 = Range(0, integer=True)  # warmup rounds and steps
+TIMEOUT_S = Range(0, 7 * 24 * 3600, lo_open=True, fix="seconds per run (at most a week)")
+THREADS = Range(1, 4096, integer=True, optional=True, fix="CPU threads")
+
 BENCHES = {
     "allreduce": "llama_train.bench.allreduce",
     "data": "llama_train.bench.data",
@@ -39,6 +47,16 @@ def report_or_exit(name: str, make_report, args, format_table) -> None:
         print(f"llama-bench {name}: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     emit(report, args.json, format_table)
+
+
+def check_options(name: str, args, ranges) -> None:
+    """Refuse (SystemExit, naming the option) a numeric option outside its range: ``ranges``
+    maps each option's dest to a :class:`llama_train.bounds.Range`."""
+    from llama_train.bounds import check_options as first_out_of_range
+
+    msg = first_out_of_range(args, ranges)
+    if msg is not None:
+        raise SystemExit(f"llama-bench {name}: {msg}")
 
 
 def main(argv=None) -> None:

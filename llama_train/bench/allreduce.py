@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Callable, Optional
 
+from llama_train.bench import COUNT, COUNT0, check_options
+from llama_train.bounds import Range
 from llama_train.proc import free_port
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30}
@@ -67,14 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+OPTIONS = {
+    "nprocs": Range(1, 4096, integer=True, optional=True, fix="ranks to start"),
+    "master_port": Range(1, 65535, integer=True, optional=True, fix="a TCP port"),
+    "min_bytes": Range(1, 2**40, integer=True), "max_bytes": Range(1, 2**40, integer=True,
+                                                                   optional=True),
+    "factor": Range(2, 1024, integer=True, fix="size multiplier between steps (2 or 4)"),
+    "warmup": COUNT0, "iters": COUNT,
+}
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    if args.factor < 2:
-        raise SystemExit(f"--factor={args.factor}: must be >= 2")
-    if args.iters < 1 or args.warmup < 0:
-        raise SystemExit("--iters must be >= 1 and --warmup >= 0")
-    if args.nprocs is not None and args.nprocs < 1:
-        raise SystemExit(f"--nprocs={args.nprocs}: must be >= 1")
+    check_options("allreduce", args, OPTIONS)
     if args.sizes is not None:
         args.sizes = [parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
     if args.nccl_algo is not None:

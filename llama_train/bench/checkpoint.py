@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from llama_train.bench import report_or_exit
+from llama_train.bench import COUNT, TIMEOUT_S, check_options, report_or_exit
+from llama_train.bounds import Range
 from llama_train.proc import free_port
 from llama_train.records import METRICS_FILE, read_metrics
 
@@ -74,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
     p.add_argument("--from-json", metavar="PATH", help="re-print a saved report's table")
     return p
+
+
+OPTIONS = {
+    "dim": COUNT, "n_layers": COUNT, "n_heads": COUNT,
+    "nprocs": Range(1, 4096, integer=True, fix="ranks per run"),
+    "steps": COUNT, "save_every": COUNT, "seq_len": COUNT, "micro_batch": COUNT,
+    "rounds": COUNT, "timeout": TIMEOUT_S,
+}
 
 
 def overrides(args, mode: str, out: Path, resume: Optional[Path] = None) -> List[str]:
@@ -262,6 +271,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    if not args.from_json:
+        check_options("checkpoint", args, OPTIONS)
     if args.from_json:
         import json
 

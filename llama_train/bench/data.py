@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from llama_train.bench import COUNT, check_options
+from llama_train.bounds import Range
+
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
@@ -115,7 +118,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model-steps", type=int, default=3, help="train steps timed per repeat")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-prepare subprocess")
     ap.add_argument("--json", help="also write the figures to this file")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    check_options("data", args, OPTIONS)
+    return args
+
+
+OPTIONS = {
+    "vocab_size": Range(256, 2**20, integer=True, fix="the trained tokenizer's pieces"),
+    "repeats": COUNT, "scale": Range(1, 1000, integer=True, fix="copies of the built-in corpus"),
+    "seq_len": COUNT, "micro_batch": COUNT, "loader_batches": COUNT, "model_steps": COUNT,
+}
 
 
 def _one_off_costs(args: argparse.Namespace, work: Path, res: dict):

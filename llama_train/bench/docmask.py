@@ -32,7 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from llama_train.bench import report_or_exit
+from llama_train.bench import COUNT, COUNT0, THREADS, check_options, report_or_exit
+from llama_train.bounds import SEED_MAX, Range
 
 EOS = 2
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -86,16 +87,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the report to this file ('-': JSON on stdout only)")
     args = p.parse_args(argv)
+    check_options("docmask", args, {
+        "micro_batch": COUNT, "n_layers": COUNT, "head_dim": COUNT, "kv_ratio": COUNT,
+        "vocab": Range(EOS + 2, 2**32, integer=True), "rounds": COUNT, "warmup": COUNT0,
+        "threads": THREADS, "seed": Range(0, SEED_MAX, integer=True)})
     args.shape_list = _shapes(args.shapes)
     args.docs_list = _ints(args.docs, "--docs")
-    for flag in ("micro_batch", "n_layers", "head_dim", "kv_ratio", "vocab", "rounds"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"llama-bench docmask: --{flag.replace('_', '-')}="
-                             f"{getattr(args, flag)} must be >= 1")
-    if args.warmup < 0:
-        raise SystemExit(f"llama-bench docmask: --warmup={args.warmup} must be >= 0")
-    if args.vocab <= EOS + 1:
-        raise SystemExit(f"llama-bench docmask: --vocab={args.vocab} must be > {EOS + 1}")
     for dim, seq in args.shape_list:
         if dim % args.head_dim or (dim // args.head_dim) % args.kv_ratio:
             raise SystemExit(f"llama-bench docmask: dim {dim} must be a multiple of --head-dim "

@@ -424,6 +424,12 @@ def main(argv=None) -> None:
     p.add_argument("--prepare-data", metavar="JSON", help=argparse.SUPPRESS)
     p.add_argument("--sdpa", metavar="JSON", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    from llama_train.bounds import Range, check_options
+
+    msg = check_options(args, {"budget_s": Range(0, 7 * 24 * 3600, lo_open=True,
+                                                 fix="seconds for every stage together")})
+    if msg is not None:
+        p.error(msg)
     if args.prepare_data:  # the data stage's child, and gpu_bundle.sh
         Path(args.prepare_data).write_text(json.dumps(prepare_all(), indent=1))
         return

@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from llama_train.bench import report_or_exit
+from llama_train.bench import COUNT, TIMEOUT_S, check_options, report_or_exit
+from llama_train.bounds import Range
 from llama_train.bench._memory_worker import CATEGORIES
 from llama_train.proc import free_port, kill_session, remove_ds_shm
 
@@ -114,6 +115,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.from_json:
         return args
+    shape = Range(1, integer=True, optional=True)
+    check_options("memory", args, {
+        "dim": shape, "n_layers": shape, "n_heads": shape, "n_kv_heads": shape,
+        "vocab": COUNT, "micro_batch": COUNT, "seq_len": COUNT, "sequence_parallel": COUNT,
+        "steps": Range(2, integer=True, fix="the second step is counted"),
+        "mem_fraction": Range(0, 1, lo_open=True, fix="the share of MemAvailable a point "
+                                                      "may be predicted to use"),
+        "timeout": TIMEOUT_S})
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     if not args.stages or any(s not in CONFIGS for s in args.stages):
         raise SystemExit(f"llama-bench memory: --stages={args.stages} must be among "
@@ -123,11 +132,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.ds_zero = {k: int(float(v)) for k, v in (kv.split("=", 1) for kv in args.ds_zero)}
     except ValueError:
         raise SystemExit(f"llama-bench memory: --ds-zero {args.ds_zero}: use KEY=NUMBER") from None
-    for name in ("micro_batch", "seq_len"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"llama-bench memory: --{name.replace('_', '-')} must be >= 1")
-    if args.steps < 2:
-        raise SystemExit("llama-bench memory: --steps must be >= 2 (the second step is counted)")
     sp = args.sequence_parallel
     if sp < 1 or args.seq_len % sp:
         raise SystemExit(f"llama-bench memory: --sequence-parallel={sp} must be a positive "

@@ -21,6 +21,8 @@ def resolve_device(args: argparse.Namespace) -> str:
 def resolve_precision(args: argparse.Namespace, device: str) -> str:
     if args.precision != "auto":
         return args.precision
+    if getattr(args, "float8", False):  # FP8 linears take and give bf16 (float8 needs it)
+        return "bf16"
     return "bf16" if device == "cuda" else "fp32"
 
 
@@ -45,6 +47,7 @@ def train_overrides(args: argparse.Namespace, device: str, precision: str) -> Li
         f"deepspeed.precision={precision}",
         "tracking.wandb.mode=disabled",
         "tracking.console=false",
+        *(["float8.enabled=true"] if getattr(args, "float8", False) else []),
         *args.override,
     ]
 

@@ -43,7 +43,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from llama_train.bench import report_or_exit
+from llama_train.bench import COUNT, COUNT0, TIMEOUT_S, check_options, report_or_exit
+from llama_train.bounds import Range
 from llama_train.proc import free_port, kill_session, remove_ds_shm
 from llama_train.records import METRICS_FILE, iter_records
 
@@ -100,12 +101,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--work-dir", help="keep the runs here (default: a temporary dir, removed)")
     p.add_argument("--json", help="also write the report to this file ('-': JSON on stdout only)")
     args = p.parse_args(argv)
+    check_options("startup", args, {
+        "rounds": COUNT, "phase_rounds": COUNT0,
+        "threads": Range(1, 4096, integer=True, fix="OMP_NUM_THREADS of every run"),
+        "timeout": TIMEOUT_S})
     args.nprocs_list = _ints(args.nprocs, "--nprocs")
-    for flag in ("rounds", "threads"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"llama-bench startup: --{flag}={getattr(args, flag)} must be >= 1")
-    if args.phase_rounds < 0:
-        raise SystemExit(f"llama-bench startup: --phase-rounds={args.phase_rounds} must be >= 0")
     for o in args.override:
         if "=" not in o:
             raise SystemExit(f"llama-bench startup: --override {o!r} must be KEY=VALUE")

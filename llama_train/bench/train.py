@@ -3,6 +3,7 @@
     llama-bench train                                   # CPU target: small, fp32, 8 x 256, 1 process
     llama-bench train --rounds 5 --steps 12 --json out.json
     llama-bench train --profile                         # top ops of one training step, then exit
+    llama-bench train --precision bf16 --float8         # ours with FP8 linears (GPU sm_89+)
 
 A/B over ``--rounds`` pairs of runs. By default (``--interleave step``) the two runs of a round
 live at once and their steps alternate under the bench's control (ours step 1, hf step 1, ours
@@ -44,7 +45,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from llama_train.bench import report_or_exit
+from llama_train.bench import COUNT, COUNT0, THREADS, TIMEOUT_S, check_options, report_or_exit
+from llama_train.bounds import Range
 from llama_train.bench.hf_baseline import RESULT_FILE, run_hf
 from llama_train.bench.lockstep import Side, run_ours
 from llama_train.bench.peaks import mfu_peak, model_shapes_flops
@@ -84,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "else this machine's cached matmul measurement")
     p.add_argument("--compile", action="store_true",
                    help="trainer.compile=true for ours and torch.compile of each HF decoder layer")
+    p.add_argument("--float8", action="store_true",
+                   help="float8.enabled=true for ours (FP8 linears, torchao; precision auto "
+                        "becomes bf16); hf stays bf16. Ours bf16 vs ours FP8: run with and "
+                        "without it. On CPU add --override float8.emulate=true: numerics only, "
+                        "the emulated matmul says nothing about FP8 speed")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra llama-train override (repeatable), e.g. data.max_documents=600; "
                         "model.* overrides change both models")
@@ -105,17 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    for name in ("micro_batch", "seq_len", "steps", "rounds"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"llama-bench train: --{name.replace('_', '-')}={getattr(args, name)} "
-                             "must be >= 1")
-    if args.warmup < 0:
-        raise SystemExit(f"llama-bench train: --warmup={args.warmup} must be >= 0")
-    if args.peak_flops is not None and not 0 < args.peak_flops < float("inf"):
-        raise SystemExit(f"llama-bench train: --peak-flops={args.peak_flops} must be a FLOP/s "
-                         "figure > 0")
-    if args.threads is not None and args.threads < 1:
-        raise SystemExit(f"llama-bench train: --threads={args.threads} must be >= 1")
+    check_options("train", args, {
+        "micro_batch": COUNT, "seq_len": COUNT, "steps": COUNT, "warmup": COUNT0,
+        "rounds": COUNT, "threads": THREADS,
+        "peak_flops": Range(0, 1e18, lo_open=True, optional=True,
+                            fix="one device's peak FLOP/s"),
+        "timeout": TIMEOUT_S, "profile": Range(1, integer=True, optional=True,
+                                               fix="the top N ops")})
     for ov in args.override:
         if "=" not in ov or ov.startswith("="):
             raise SystemExit(f"llama-bench train: --override {ov!r} must look like KEY=VALUE, "
@@ -134,6 +137,8 @@ def canonical_args(args: argparse.Namespace) -> List[str]:
         out += ["--peak-flops", repr(args.peak_flops)]
     if args.compile:
         out.append("--compile")
+    if args.float8:
+        out.append("--float8")
     out += ["--interleave", args.interleave]
     if args.only:
         out += ["--only", args.only]

@@ -11,9 +11,32 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
 from .errors import DataError
+from llama_train.bounds import INT32_MAX, INT64_MAX, SEED_MAX, Range
 from llama_train.policy import may_change
 
 DTYPES = ("auto", "uint16", "uint32")
+# Each shard is a file (and its .crc32) opened, mapped and checked on its own: one per 512
+# tokens is already ~2,000 files per million tokens, and fewer tokens per file only multiply
+# them (data.shard_tokens=1 wrote 26,175 files for 20 documents). A shard of 2**40 tokens is a
+# multi-terabyte file.
+MIN_SHARD_TOKENS = 512
+RANGES = {
+    "val_fraction": Range(0, 1, hi_open=True, fix="the fraction of documents held out"),
+    # processes forked at once: more than any machine has cores is a fork bomb, not speed
+    "num_proc": Range(0, 1024, integer=True, fix="tokenization processes, 0 for all cores "
+                                                 "(at most 8)"),
+    "shard_tokens": Range(MIN_SHARD_TOKENS, 2**40, integer=True,
+                          fix="tokens per shard file (default 50000000)"),
+    "num_workers": Range(0, 64, integer=True, fix="DataLoader processes per rank (0: in the "
+                                                  "rank's own process)"),
+    "seed": Range(0, SEED_MAX, integer=True, fix="SentencePiece's seed is unsigned 32-bit"),
+    "max_documents": Range(1, INT64_MAX, integer=True, optional=True,
+                           fix="documents read from the source, null for all"),
+    "tokenizer_max_sentences": Range(0, INT64_MAX, integer=True,
+                                     fix="lines a tokenizer is trained on, 0 for all"),
+    "tokenizer_max_line_bytes": Range(1, INT32_MAX, integer=True,
+                                      fix="SentencePiece's max_sentence_length is an int32"),
+}
 SAMPLE_BY = ("document", "paragraph", "line")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a mixture entry's name
 
@@ -171,21 +194,11 @@ class DataConfig:
             raise DataError(
                 f"data.text_sample_by={self.text_sample_by!r} is not one of {', '.join(SAMPLE_BY)}"
             )
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise DataError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
-        if self.num_proc < 0:
-            raise DataError(f"data.num_proc={self.num_proc} must be >= 0 (0 = all cores)")
-        if self.shard_tokens < 1:
-            raise DataError(f"data.shard_tokens={self.shard_tokens} must be >= 1")
-        if self.num_workers < 0:
-            raise DataError(f"data.num_workers={self.num_workers} must be >= 0")
-        if self.max_documents is not None and self.max_documents < 1:
-            raise DataError(f"data.max_documents={self.max_documents} must be >= 1 or null")
-        if self.tokenizer_max_sentences < 0:
-            raise DataError(f"data.tokenizer_max_sentences={self.tokenizer_max_sentences} must be >= 0")
-        if not 1 <= self.tokenizer_max_line_bytes <= 2**31 - 1:
-            raise DataError(f"data.tokenizer_max_line_bytes={self.tokenizer_max_line_bytes} must be "
-                            f"in [1, 2**31 - 1] (SentencePiece's max_sentence_length is an int32)")
+        # every numeric field's range (llama_train.bounds), before any data is read or written
+        for name, rng in RANGES.items():
+            msg = rng.message(f"data.{name}", getattr(self, name))
+            if msg is not None:
+                raise DataError(msg)
 
     @classmethod
     def from_any(cls, cfg) -> "DataConfig":

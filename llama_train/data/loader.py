@@ -22,17 +22,19 @@ import atexit
 import contextlib
 import math
 import signal
+import threading
+import time
 import weakref
 
 import logging
 import os
-from typing import Iterator, Optional, Union
+from typing import Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from .errors import DataChanged, DataError
+from .errors import DataChanged, DataError, DataInterrupted
 from .packed import PackedTokens
 from llama_train import watchdog
 from llama_train.util import splitmix64
@@ -40,6 +42,15 @@ from llama_train.util import splitmix64
 log = logging.getLogger(__name__)
 
 _ROUNDS = 6
+
+
+class DataWorkerDied(DataInterrupted):
+    """A DataLoader worker of this rank died under the job: killed by a signal (SIGKILL from the
+    kernel's out-of-memory killer, SIGSEGV, SIGBUS, ...), exited with an error code, or ran out
+    of memory (MemoryError). Exit 6 (llama_train.train), at once, naming the worker, the signal
+    or code, the likely cause and the settings that use less memory; the checkpoints are intact."""
+
+    exit_code = 6
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -249,6 +260,8 @@ class TrainLoader:
             self.fingerprint = info.get("sha256") or self.tokens.meta["fingerprint"]
             self._windows = _Windows(self.tokens, self.seq_len, self.seed)
         self.consumed_samples = 0
+        self.num_workers = int(num_workers)
+        self._killed_workers = False  # by _stalled: their deaths are the deadline's to report
         self._sampler = _RankSampler(self.global_batch, self.micro_batch, self.dp_rank, self.dp_world)
         pin = bool(pin_memory) and torch.cuda.is_available()
         self._loader = DataLoader(
@@ -284,6 +297,7 @@ class TrainLoader:
             return ("data.num_workers=0: this process reads the shards itself and one read has "
                     "not returned (a hung file system or disk?); its stack is below")
         said = []
+        self._killed_workers = True
         for w in workers:
             said.append(f"pid {w.pid}, which {_describe_state(w.pid)}")
             try:
@@ -326,7 +340,10 @@ class TrainLoader:
         """Start at `consumed_samples` (a partially yielded global batch is yielded again)."""
         self._generation += 1
         self._sampler.start = self.consumed_samples
-        return self._run(self._generation, self.consumed_samples, iter(self._loader))
+        it = iter(self._loader)
+        if self.num_workers > 0:
+            _defer_worker_signal_errors()  # torch's SIGCHLD handler is installed by now
+        return self._run(self._generation, self.consumed_samples, it)
 
     def _run(self, gen: int, start: int, it) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         per_step = self.micro_batches_per_step
@@ -340,10 +357,48 @@ class TrainLoader:
                     batch = next(it)
             except DataError as e:  # e.g. a shard failing its sha256 check in a worker
                 raise self._where(_unwrap_worker_error(e)) from None
+            except Exception as e:
+                # a worker that died shows up as whatever the read of its batch ran into
+                # (ConnectionResetError, torch's "exited unexpectedly", a MemoryError of its own)
+                died = self._worker_died(it, e)
+                if died is None:
+                    raise
+                raise died from None
             count += 1
             if count % per_step == 0:  # this micro-batch completes a global batch
                 self.consumed_samples = start + (count // per_step) * self.global_batch
             yield batch
+
+    def _worker_died(self, it, e: BaseException) -> Optional[DataWorkerDied]:
+        """The error that ended a read, as the death of one of this rank's workers, or None
+        where no worker died (or the deadline killed them: it reports that itself)."""
+        if self.num_workers == 0 or self._killed_workers:
+            return None
+        oom = isinstance(e, MemoryError) and "in DataLoader worker process" in str(e)
+        dead = _dead_workers(it, wait_s=0.0 if oom else 2.0)
+        if not dead and not oom:
+            return None
+        step, _ = watchdog.position()
+        at = f" at step {step}" if step is not None else ""
+        if dead:
+            index, pid, code = dead[0]
+            how, cause = _death_of(code)
+            who = f"DataLoader worker {index} (pid {pid})"
+        else:
+            head = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            who = head[len("Caught MemoryError in "):].rstrip(".") if head.startswith(
+                "Caught MemoryError in ") else "a DataLoader worker"
+            how, cause = "ran out of memory (MemoryError)", "the host has no memory left"
+        others = (f" ({len(dead) - 1} more of its workers died with it)"
+                  if len(dead) > 1 else "")
+        g = self.global_batch
+        return DataWorkerDied(
+            f"rank {self.dp_rank}'s {who} {how}{at}{others}: {cause}. To use less host memory: "
+            f"fewer data.num_workers (now {self.num_workers}; 0 reads the data in the rank "
+            f"itself), a smaller trainer.micro_batch (now {self.micro_batch}; with "
+            f"trainer.global_batch={g} the global batch stays {g}), trainer.async_save=false "
+            f"(no host copy of a checkpoint), fewer ranks on this host. Then relaunch: it "
+            f"resumes from the last complete checkpoint.")
 
     def _where(self, e: DataError) -> DataError:
         """A shard that changed under the job: say which rank stopped, at which step (the
@@ -508,6 +563,71 @@ _STATES = {
 }
 
 
+def _dead_workers(it, wait_s: float) -> List[Tuple[int, int, int]]:
+    """(worker index, pid, exit code: -N for signal N) of the iterator's workers that have
+    exited, waiting up to ``wait_s`` for one: a read can fail on a dying worker's socket a moment
+    before the process is gone."""
+    workers = list(getattr(it, "_workers", None) or [])
+    end = time.monotonic() + wait_s
+    while True:
+        dead = [(i, w.pid, w.exitcode) for i, w in enumerate(workers) if w.exitcode is not None]
+        if dead or time.monotonic() >= end:
+            return dead
+        time.sleep(0.05)
+
+
+# What a worker's signal says about the cause, and the fix beyond the memory settings.
+_SIGNAL_CAUSES = {
+    "SIGKILL": "SIGKILL is what the kernel's out-of-memory killer sends when the host runs out "
+               "of memory (`dmesg | grep -i oom` or `journalctl -k` names it; else someone ran "
+               "kill -9)",
+    "SIGSEGV": "a crash in native code (a segmentation fault in torch, numpy or another C "
+               "extension; memory exhaustion can end that way too)",
+    "SIGBUS": "a bus error: a memory-mapped file vanished under it (a shard truncated, a "
+              "network file system gone) or /dev/shm is full (workers hand batches over in "
+              "shared memory: `df -h /dev/shm`; give a container more with --shm-size)",
+    "SIGABRT": "an abort in native code (a failed assertion, or an allocation that failed)",
+}
+
+
+def _death_of(code: int) -> Tuple[str, str]:
+    """(how a worker ended, its likely cause) for its exit code (-N: signal N)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return (f"was killed by {name} (signal {-code})",
+                _SIGNAL_CAUSES.get(name, f"something sent it {name}"))
+    return (f"exited with code {code}",
+            "it stopped without a Python error (a native library's exit, or os._exit; the lines "
+            "above may say why)")
+
+
+def _defer_worker_signal_errors() -> None:
+    """torch's DataLoader installs a SIGCHLD handler that raises ``RuntimeError("DataLoader
+    worker (pid N) is killed by signal")`` wherever the main thread is when a worker dies: in
+    the optimizer, in a checkpoint save (reported as a failed save), in a W&B call. Wrapped here
+    so that it raises nothing: the loader finds the dead worker at its next read instead (torch
+    checks its workers at least every 5 s while it waits for a batch) and says which one died
+    and why (:class:`DataWorkerDied`). Main thread only; installed once per process."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGCHLD)
+    if not callable(current) or getattr(current, "llama_train_deferred", False):
+        return
+
+    def handler(signum, frame) -> None:
+        try:
+            current(signum, frame)
+        except RuntimeError as e:
+            if not str(e).startswith("DataLoader worker"):
+                raise
+
+    handler.llama_train_deferred = True
+    signal.signal(signal.SIGCHLD, handler)
+
+
 def _describe_state(pid: int) -> str:
     """A process's scheduler state in words (/proc/PID/stat field 3)."""
     try:
@@ -520,9 +640,14 @@ def _describe_state(pid: int) -> str:
 
 
 def _init_worker(worker_id: int) -> None:
-    """A DataLoader worker: stop signals left to the trainer, and no life without its rank."""
+    """A DataLoader worker: stop signals left to the trainer, no life without its rank, and a
+    crash left to the rank to report (:class:`DataWorkerDied`): torch's own handlers of SIGSEGV
+    and SIGBUS in a worker print a line of their own first ("ERROR: Unexpected bus error
+    encountered in worker"), so a crash said two things in two places."""
     _ignore_stop_signals(worker_id)
     _die_with_parent()
+    for s in (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE):
+        signal.signal(s, signal.SIG_DFL)
 
 
 def _die_with_parent() -> None:

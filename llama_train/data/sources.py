@@ -164,6 +164,8 @@ class Source:
             empty = DataError(f"{what} hold no documents (the files are empty)")
             if all(os.path.getsize(f) == 0 for f in self.files):
                 raise empty
+            if builder == "json":
+                _quiet_json_builder()
             try:
                 ds = datasets.load_dataset(
                     builder, data_files=self.files, split="train", streaming=cfg.streaming, **kwargs
@@ -398,6 +400,45 @@ def _parse_row(raw: Any) -> Any:
     return json.loads(raw) if isinstance(raw, bytes) else raw
 
 
+class _SameErrorWeName(logging.Filter):
+    """Drops the json builder's "Failed to load JSON from file ..." record: the reader's
+    failure reaches us as an exception, and :meth:`Source._read_error` names the file and line
+    in one line; the builder's own line said it a second time (twice, with its handler)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failed to load JSON from file")
+
+
+def _quiet_json_builder() -> None:
+    lg = logging.getLogger("datasets.packaged_modules.json.json")
+    if not any(isinstance(f, _SameErrorWeName) for f in lg.filters):
+        lg.addFilter(_SameErrorWeName())
+
+
+def _lone_surrogate(value: Any, key: str = "") -> Optional[str]:
+    """Where a parsed JSON row holds a lone surrogate: an escape such as ``\\ud800`` (half of
+    a UTF-16 pair) without its other half. Valid JSON to Python, but no UTF-8 text can hold it,
+    so Arrow's reader refuses the whole file ("The surrogate pair in string is invalid")."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            where = f" of its {key!r} value" if key else ""
+            return (f"\\u{ord(value[err.start]):04x} at character {err.start}{where}")
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = _lone_surrogate(k, "") or _lone_surrogate(v, str(k))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for v in value:
+            found = _lone_surrogate(v, key)
+            if found:
+                return found
+    return None
+
+
 class _BadJson(ValueError):
     def __init__(self, where: str, reason: str):
         super().__init__(f"{where}: {reason}")
@@ -413,6 +454,13 @@ def _json_problem(path: str, column: str, keys: Optional[set]) -> Optional[str]:
                 row = _parse_row(raw)
             except ValueError as err:
                 raise _BadJson(where, str(err)) from None
+            lone = _lone_surrogate(row)
+            if lone is not None:
+                return (f"{path} {where} holds a lone surrogate ({lone}): half of a UTF-16 "
+                        f"pair without its other half, which no UTF-8 text can hold, so the "
+                        f"JSON reader refuses the file. Fix or remove that line (replace the "
+                        f"escape, e.g. with \\ufffd, or write the file again from the "
+                        f"original text)")
             if not isinstance(row, dict):
                 return (f"{path} {where} is a JSON {type(row).__name__}, not an object: every row "
                         f"must be an object with a {column!r} key")

@@ -13,7 +13,7 @@ from llama_train.engine.wrapper import Engine
 
 
 def build_model(model_args, ds_config: Dict[str, Any], device: torch.device,
-                seed: int, mpu: Any = None) -> torch.nn.Module:
+                seed: int, mpu: Any = None, float8: Any = None) -> torch.nn.Module:
     """The model, allocated and initialised once, ready for :func:`initialize`.
 
     ZeRO-3: constructed on the meta device inside ``deepspeed.zero.Init``, which partitions each
@@ -23,7 +23,20 @@ def build_model(model_args, ds_config: Dict[str, Any], device: torch.device,
     initialised there. Either way the weights depend on ``seed`` only (not on the stage, world
     size or dtype), so every configuration starts from the same model. ``mpu``: the
     sequence-parallel groups, from which DeepSpeed's config counts data-parallel ranks (ZeRO-3
-    still partitions over every rank)."""
+    still partitions over every rank). ``float8``: the ``float8`` config group; enabled, the
+    block linears become torchao ``Float8Linear`` modules holding the same parameters
+    (:func:`llama_train.float8.convert`), before ``deepspeed.initialize`` registers ZeRO-3's
+    hooks on the module tree."""
+    from llama_train.float8 import convert
+
+    model = _build(model_args, ds_config, device, seed, mpu)
+    if float8 is not None:
+        convert(model, float8)
+    return model
+
+
+def _build(model_args, ds_config: Dict[str, Any], device: torch.device, seed: int,
+           mpu: Any) -> torch.nn.Module:
     from llama_train.model import Transformer
 
     if ds_config["zero_optimization"]["stage"] != 3:

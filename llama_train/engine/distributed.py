@@ -10,15 +10,24 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
+import socket
 from typing import Iterator, Optional
 
 import torch
 
 from llama_train import watchdog
 from llama_train.comm import CommConfig, apply_env
+from llama_train.config import ConfigError
 from llama_train.proc import ds_shm_buffer
 
 STARTUP_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class RendezvousError(ConfigError):
+    """The process group could not start at MASTER_ADDR:MASTER_PORT (a port in use, a name
+    that does not resolve, ranks that never met): exit 2 with one line naming the variable,
+    the cause and the fix, before anything was trained or written."""
 
 
 def load_deepspeed():
@@ -55,7 +64,14 @@ def init_distributed(comm: Optional[CommConfig] = None, device_type: str = "cpu"
     # the watchdog (started below) stops a job after comm.timeout_s without progress from a
     # rank; a collective gives up a few seconds later, as the backstop
     timeout = datetime.timedelta(seconds=int(comm.timeout_s) + watchdog.COLLECTIVE_MARGIN_S)
-    _start_process_group(backend, timeout, device_type)
+    check_rendezvous_address()
+    try:
+        _start_process_group(backend, timeout, device_type)
+    except Exception as e:  # noqa: BLE001 - mapped where the cause can be told, else as it is
+        explained = rendezvous_error(e)
+        if explained is None:
+            raise
+        raise explained from None
     _default_group_timeout(timeout)
     if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
         # Ranks reach this point seconds apart on a loaded host (imports, data checks): a skew
@@ -65,6 +81,66 @@ def init_distributed(comm: Optional[CommConfig] = None, device_type: str = "cpu"
         _unlink_shm_buffer(dist.get_rank())
     watchdog.start(comm.timeout_s, dist.get_rank(), dist.get_world_size())
     return backend
+
+
+def check_rendezvous_address() -> None:
+    """MASTER_PORT must be a TCP port and MASTER_ADDR a name this host resolves: torch's
+    rendezvous retries an unresolvable name for the whole start-up timeout (comm.timeout_s, 10
+    minutes by default), printing a warning every few seconds, before it fails."""
+    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    rank = os.environ.get("RANK", "?")
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise RendezvousError(
+            f"MASTER_PORT={port!r} is not a TCP port number (1-65535): give the rendezvous a "
+            f"free port (deepspeed --master_port N, launch/multinode.sh --master-port N, or "
+            f"MASTER_PORT=N for a single process).")
+    try:
+        socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise RendezvousError(
+            f"MASTER_ADDR={addr!r} does not resolve on {socket.gethostname()} ({why}): rank "
+            f"{rank} cannot reach the job's rendezvous. Set MASTER_ADDR (deepspeed "
+            f"--master_addr, launch/multinode.sh --master-addr) to the host name or IP address "
+            f"of the node that runs rank 0, as every node resolves it (`getent hosts "
+            f"<name>`).") from None
+
+
+def rendezvous_error(e: BaseException) -> Optional[RendezvousError]:
+    """torch's failure to start the process group, in words, where the cause can be told
+    from it: the port taken, a privileged port, ranks that never met. None otherwise."""
+    addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+    rank = os.environ.get("RANK", "?")
+    text = str(e)
+    first = " ".join(text.strip().splitlines()[0].split())[:200] if text.strip() else ""
+    host = socket.gethostname()
+    free = ("Give a free port (deepspeed --master_port N, launch/multinode.sh --master-port N, "
+            "or MASTER_PORT=N for a single process)")
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return RendezvousError(
+            f"MASTER_PORT={port} is already in use on {host}: rank {rank} could not open the "
+            f"job's rendezvous there (another job, or a process an earlier one left behind, "
+            f"listens on it: `ss -ltnp 'sport = :{port}'` names it). {free}, or end the "
+            f"process that holds it.")
+    if "EACCES" in text or "permission denied" in text.lower():
+        low = " (a port below 1024 needs root)" if port.isdigit() and int(port) < 1024 else ""
+        return RendezvousError(
+            f"MASTER_PORT={port} cannot be opened on {host}: permission denied{low}. {free} "
+            f"above 1023.")
+    joined = re.search(r"waiting for clients\. (\d+)/(\d+) clients joined", text)
+    if joined:
+        return RendezvousError(
+            f"only {joined.group(1)} of the {joined.group(2)} ranks joined the rendezvous at "
+            f"{addr}:{port} before its timeout (comm.timeout_s): the others did not start, or "
+            f"cannot reach {addr}:{port} (MASTER_ADDR must be an address of rank 0's host that "
+            f"every node reaches; a firewall may block the port). torch said: {first}")
+    if "timed out" in text.lower() and "connect" in text.lower():
+        return RendezvousError(
+            f"rank {rank} could not reach the job's rendezvous at {addr}:{port} before its "
+            f"timeout (comm.timeout_s): rank 0 is not listening there. MASTER_ADDR must be "
+            f"rank 0's host and MASTER_PORT the same on every node; check that rank 0 started "
+            f"and that no firewall blocks the port. torch said: {first}")
+    return None
 
 
 def _start_simulated(comm: CommConfig, device_type: str) -> str:

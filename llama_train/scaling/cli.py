@@ -18,6 +18,7 @@ from llama_train.scaling.memory import _args_dict, deepspeed_estimate, fit_advic
 from llama_train.scaling.planners import compute_optimal, inference_optimal, shape_for_params
 from llama_train.scaling.runs import REPEAT_HALF_LIFE
 from llama_train.util import jsonable
+from llama_train.bounds import SEED_MAX, Range, check_options
 
 
 def _si(x: float, unit: str = "") -> str:
@@ -141,7 +142,7 @@ def _cmd_model_info(ns: argparse.Namespace) -> Dict[str, Any]:
     res = model_info(ns.model, zero_stage=ns.zero_stage, world_size=ns.world_size, micro_batch=ns.micro_batch,
                      seq_len=ns.seq_len, offload_optimizer=ns.offload_optimizer,
                      checkpointing=True if ns.activation_checkpointing else None, attention=ns.attention,
-                     sequence_parallel=ns.sequence_parallel)
+                     sequence_parallel=ns.sequence_parallel, loss_chunk_tokens=ns.loss_chunk_tokens)
     if not ns.json:
         a, c = res["model_args"], res["params"]
         print(f"model {ns.model}: dim={a['dim']} n_layers={a['n_layers']} n_heads={a['n_heads']} "
@@ -163,10 +164,14 @@ def _cmd_model_info(ns: argparse.Namespace) -> Dict[str, Any]:
                      [f"all stages, {ns.world_size} rank(s)", "bf16 total", "fp32 total"]))
         act = res["activations"]
         sp = f", {ns.sequence_parallel} ranks sharing each sequence" if ns.sequence_parallel > 1 else ""
+        chunk = act["bf16"]["loss_chunk_tokens"]
         print(f"\nactivations per micro-batch per rank (b={ns.micro_batch}, s={res['seq_len']}{sp}, "
-              f"checkpointing={'on' if act['bf16']['checkpointing'] else 'off'}, attention={ns.attention}):")
-        print(_table([[k] + [_gib(act[dt][k]) for dt in ("bf16", "fp32")] for k in ("per_layer", "layers", "recompute", "head", "total")],
-                     ["", "bf16", "fp32"]))
+              f"checkpointing={'on' if act['bf16']['checkpointing'] else 'off'}, attention={ns.attention}, "
+              f"loss {f'in chunks of {chunk} tokens' if chunk else 'over the whole logits'}):")
+        rows = [[k] + [_gib(act[dt][k]) for dt in ("bf16", "fp32")] for k in ("per_layer", "layers", "recompute", "head", "total")]
+        rows.append(["+ logits" + (" chunk" if chunk else " grad")]
+                    + [_gib(act[dt]["backward_transient"]) for dt in ("bf16", "fp32")])
+        print(_table(rows, ["", "bf16", "fp32"]))
         print(f"per GPU (model states + activations): bf16 {_gib(res['per_gpu_total']['bf16'])}, "
               f"fp32 {_gib(res['per_gpu_total']['fp32'])}")
     _peak_and_advice(ns, res)
@@ -197,7 +202,7 @@ def _peak_and_advice(ns: argparse.Namespace, res: Dict[str, Any]) -> None:
                seq_len=ns.seq_len, offload_optimizer=ns.offload_optimizer, offload_params=ns.offload_params,
                activation_checkpointing=True if ns.activation_checkpointing else None, device=ns.device,
                attention=ns.attention, zero_overrides=_ds_zero(ns.ds_zero) or None,
-               sequence_parallel=ns.sequence_parallel)
+               sequence_parallel=ns.sequence_parallel, loss_chunk_tokens=ns.loss_chunk_tokens)
     peak = rank_peak_memory(ns.model, **cfg)
     est = deepspeed_estimate(ns.model, ns.zero_stage, ns.world_size, ns.offload_optimizer, ns.offload_params)
     res["rank_peak"] = peak
@@ -490,6 +495,9 @@ def _add_model_info(sub) -> None:
     p.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer state in host memory")
     p.add_argument("--activation-checkpointing", action="store_true", help="force per-block recomputation on")
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--loss-chunk-tokens", type=int, default=None, metavar="N",
+                   help="the loss over N tokens at a time (0: whole logits); default: the "
+                        "model's model.loss_chunk_tokens (null: on from a 32000-token vocabulary)")
     p.add_argument("--offload-params", action="store_true", help="ZeRO-3 parameter offload (with --offload-optimizer)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="for the per-rank peak")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -550,6 +558,43 @@ def _add_fit(sub) -> None:
     p.set_defaults(func=_cmd_fit)
 
 
+_FLOPS = Range(0, 1e30, lo_open=True, optional=True, fix="FLOPs, C = 6 N D")
+_TOKENS = Range(0, 1e30, lo_open=True, optional=True, fix="tokens")
+# Each subcommand's numeric options and their ranges (llama_train.bounds), checked before any
+# planning; --repeat-half-life and --zero-stage are checked where they are read and by argparse.
+OPTIONS: Dict[str, Dict[str, Range]] = {
+    "compute-optimal": {"flops": _FLOPS},
+    "inference-optimal": {
+        "flops": _FLOPS, "reference_params": Range(0, 1e15, lo_open=True, optional=True),
+        "reference_tokens": _TOKENS,
+        "loss": Range(0, lo_open=True, optional=True, fix="a predicted loss in nats"),
+        "inference_tokens": Range(0, 1e30, fix="lifetime inference tokens")},
+    "model-info": {
+        "world_size": Range(1, 2**24, integer=True, fix="ranks of the job"),
+        "sequence_parallel": Range(1, 2**24, integer=True, fix="ranks sharing each sequence"),
+        "micro_batch": Range(1, 2**20, integer=True, fix="sequences per rank per forward"),
+        "seq_len": Range(1, 2**24, integer=True, optional=True,
+                         fix="leave it out for the model's max_seq_len"),
+        "loss_chunk_tokens": Range(0, 2**24, integer=True, optional=True,
+                                   fix="tokens per chunk of the loss, 0 for whole logits"),
+        "gpu_mem": Range(0, 2**20, lo_open=True, optional=True, fix="GiB per rank")},
+    "shape": {
+        "params": Range(1, 1e15, fix="a parameter count, e.g. 1.3e9 or 1.3B"),
+        "vocab": Range(1, 2**32, integer=True, fix="the vocabulary size"),
+        "max_seq_len": Range(1, 2**24, integer=True, fix="positions the RoPE tables cover"),
+        "tolerance": Range(0, 1, lo_open=True, hi_open=True,
+                           fix="relative error allowed on the count, e.g. 0.02")},
+    "fit": {
+        "top_k": Range(0, 4500, integer=True, fix="0 starts L-BFGS from all 4500"),
+        "bootstrap": Range(0, 10**6, integer=True, fix="resamples, 0 for none"),
+        "bootstrap_a3": Range(0, 10**5, integer=True, fix="refits, 0 for none"),
+        "bootstrap_top_k": Range(1, 4500, integer=True, fix="L-BFGS starts per refit"),
+        "seed": Range(0, SEED_MAX, integer=True),
+        "min_flops": Range(0, 1e30, optional=True, fix="FLOPs of the smallest budget fitted"),
+        "window": Range(0, integer=True, fix="sizes either side of the best run; 0: all runs")},
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """llama-plan's parser: one subcommand each, its flags beside it (_add_<subcommand>)."""
     parser = argparse.ArgumentParser(
@@ -568,9 +613,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns, extra = parser.parse_known_args(argv)
     if extra:  # a wrong flag gets the usage of the subcommand it was given to (exit 2)
         ns.subcommands[ns.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    if getattr(ns, "top_k", None) == 0:
-        ns.top_k = None
     try:
+        msg = check_options(ns, OPTIONS.get(ns.command, {}))
+        if msg is not None:
+            raise ScalingError(msg)
+        if getattr(ns, "top_k", None) == 0:
+            ns.top_k = None
         # --json: stdout holds the JSON alone; whatever else is printed meanwhile goes to
         # stderr (DeepSpeed, imported by model-info, logs "Setting accelerator to CPU" through
         # a handler on stdout unless DS_ACCELERATOR is set)

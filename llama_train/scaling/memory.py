@@ -130,7 +130,12 @@ ACTIVATION_FORMULA = (
     "and v, which attention holds for the whole sequence and n_kv_heads/N heads (at least one: "
     "2p*s*b*head_dim*max(n_kv_heads/N, 1)). When backward starts, the fp32 gradient of the "
     "logits (4*s*b*V, s/N tokens under sequence parallelism) lives beside all of them: the "
-    "per-rank peak counts it (backward_transient)."
+    "per-rank peak counts it (backward_transient). With the loss in chunks of c tokens "
+    "(model.loss_chunk_tokens) no whole logits exist: the head keeps "
+    "s*b*[h*(4 + 2p) + 12] + p*V*h (final norm, the hidden states' gradient in place of the "
+    "output projection's input, token ids, and the output weight's gradient, all made in "
+    "forward) and the transient is one chunk's logits and their gradient, "
+    "min(c, s*b)*V*(4 + p) at the end of forward (4*c*V in fp32; fp16 makes the same in backward)."
 )
 
 
@@ -142,16 +147,19 @@ def activation_memory(
     checkpointing: Optional[bool] = None,
     attention: str = "sdpa",
     sequence_parallel: int = 1,
+    loss_chunk_tokens: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Activation bytes autograd keeps for backward, for one micro-batch on one rank;
-    ``sequence_parallel`` N: the rank's share when N ranks share each sequence.
+    ``sequence_parallel`` N: the rank's share when N ranks share each sequence;
+    ``loss_chunk_tokens`` defaults to ``args.loss_chunk`` (0: the whole logits).
 
     The formula is :data:`ACTIVATION_FORMULA`, a count of the tensors this model's forward saves
     (tests check it against the real saved tensors of a CPU model). ``checkpointing`` defaults
     to ``args.activation_checkpointing``; ``attention="eager"`` also keeps the s x s softmax.
     Keys (bytes): per_layer, layers (kept through the forward), recompute (one block rebuilt in
     backward when checkpointing), head, total = layers + recompute + head; backward_transient:
-    the logits' gradient, made while all of those are still held (not in total).
+    the logits' gradient (chunked: one chunk's logits and gradient), made while all of those
+    are still held (not in total); loss_chunk_tokens: the chunk in effect (0: none).
     """
     args = _resolve_args(args)
     p = _check_dtype(dtype)
@@ -174,7 +182,15 @@ def activation_memory(
         per_layer += 8 * sl * args.head_dim
     if attention == "eager":
         per_layer += p * (a // n) * s * s * b
-    head = sl * b * (h * (4 + 2 * p) + 4 * V + 20)
+    chunk = args.loss_chunk if loss_chunk_tokens is None else int(loss_chunk_tokens)
+    if chunk < 0:
+        raise ScalingError(f"loss_chunk_tokens={loss_chunk_tokens} must be >= 0 (0: whole logits)")
+    if chunk:  # Transformer's chunked loss (model_ops.linear_cross_entropy)
+        head = sl * b * (h * (4 + 2 * p) + 12) + p * V * h
+        transient = min(chunk, sl * b) * V * (4 + (p if p < 4 else 0))
+    else:
+        head = sl * b * (h * (4 + 2 * p) + 4 * V + 20)
+        transient = 4 * sl * b * V
     layers = L * p * sl * b * h if ckpt else L * per_layer
     recompute = per_layer if ckpt else 0
     return {
@@ -183,7 +199,8 @@ def activation_memory(
         "recompute": float(recompute),
         "head": float(head),
         "total": float(layers + recompute + head),
-        "backward_transient": float(4 * sl * b * V),
+        "backward_transient": float(transient),
+        "loss_chunk_tokens": chunk,
         "checkpointing": ckpt,
         "micro_batch": b,
         "seq_len": s,
@@ -238,10 +255,12 @@ def model_info(
     checkpointing: Optional[bool] = None,
     attention: str = "sdpa",
     sequence_parallel: int = 1,
+    loss_chunk_tokens: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Params, FLOPs/token, model-state and activation memory, counted from the shape (no
     model is built); ``world_size`` counts every rank (ZeRO partitions over all of them),
-    ``sequence_parallel`` how many share each sequence."""
+    ``sequence_parallel`` how many share each sequence, ``loss_chunk_tokens`` overrides the
+    model's (:func:`activation_memory`)."""
     from llama_train.model_args import count_params, flops_per_token
 
     args = _resolve_args(model)
@@ -251,7 +270,8 @@ def model_info(
     by_stage = {
         str(z): {dt: model_memory(args, z, world_size, dt)["total"] for dt in ("bf16", "fp32")} for z in range(4)
     }
-    acts = {dt: activation_memory(args, micro_batch, s, dt, checkpointing, attention, sequence_parallel)
+    acts = {dt: activation_memory(args, micro_batch, s, dt, checkpointing, attention, sequence_parallel,
+                                  loss_chunk_tokens)
             for dt in ("bf16", "fp32")}
     return {
         "model_args": _args_dict(args),
@@ -335,6 +355,7 @@ def rank_peak_memory(
     zero_overrides: Optional[Dict[str, int]] = None,
     gloo_copies: Optional[bool] = None,
     sequence_parallel: int = 1,
+    loss_chunk_tokens: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Peak bytes one data-parallel rank holds while it builds the model, initialises DeepSpeed
     and trains (model states + activations + DeepSpeed's own buffers and transients), from the
@@ -362,8 +383,8 @@ def rank_peak_memory(
         raise ScalingError(f"device={device!r}: 'cpu' or 'cuda'")
     sizes = _zero_sizes(args, ds, zero_overrides)
     act = activation_memory(args, micro_batch, seq_len, dtype, activation_checkpointing, attention,
-                            sequence_parallel)
-    acts = act["total"] + act["backward_transient"]  # at the start of backward
+                            sequence_parallel, loss_chunk_tokens)
+    acts = act["total"] + act["backward_transient"]  # backward's start (chunked: forward's end)
     t = _rank_terms(args, p, world_size, sizes, acts, device == "cpu", offload_optimizer,
                     device == "cpu" if gloo_copies is None else gloo_copies)
     if zero_stage == 0:
@@ -379,6 +400,7 @@ def rank_peak_memory(
         "n_params": t.psi,
         "bytes_per_param": peak["total"] / t.psi,
         "zero_stage": zero_stage, "world_size": t.n, "dtype": dtype, "micro_batch": micro_batch,
+        "loss_chunk_tokens": act["loss_chunk_tokens"],
         "seq_len": acts and activation_memory(args, micro_batch, seq_len, dtype)["seq_len"],
         "offload_optimizer": bool(offload_optimizer), "offload_params": bool(offload_params),
         "device_kind": device,
