@@ -114,6 +114,13 @@ def _cases(work: Path, out: Path):
         ("mixture: a missing source", ["data.mixture=[{name:a,source:builtin},"
                                        "{name:web,source:/no/such/web.jsonl}]"], 2,
          ["data.mixture[1] (web", "/no/such/web.jsonl"]),
+        # -- numbers out of their range (issue 54, class 6; every key: test_bounds.py) --
+        ("a million simulated ranks", ["comm.simulate_ranks=1000000"], 2,
+         ["comm.simulate_ranks=1000000 must be in [0, 65536]"]),
+        ("a shard per token", ["data.shard_tokens=1"], 2, ["data.shard_tokens=1 must be in"]),
+        ("DeepSpeed printing every 0 steps", ["deepspeed.steps_per_print=0"], 2,
+         ["deepspeed.steps_per_print=0"]),
+        ("every step a spike", ["recovery.spike_factor=0.5"], 2, ["recovery.spike_factor=0.5"]),
         # -- numbers that are not numbers, samples that cannot be drawn (issue 29) --
         ("an infinite lr", ["optim.lr=inf"], 2, ["optim.lr=inf is not a finite number"]),
         ("a NaN lr", ["optim.lr=nan"], 2, ["optim.lr=nan is not a finite number"]),
