@@ -97,7 +97,7 @@ def check_options(args: argparse.Namespace, ranges: Mapping[str, Range]) -> Opti
     return None
 
 
-__all__ = ["INT32_MAX", "INT64_MAX", "SEED_MAX", "Range", "check_options"]
+__all__ = ["INT32_MAX", "INT64_MAX", "SEED_MAX", "SIMULATE_MAX_RANKS", "Range", "check_options"]
 
 
 # The most ranks comm.simulate_ranks may simulate (checked with the config, before anything
