@@ -341,3 +341,21 @@ def docs_prepared(root: Path, block_bytes: int) -> str:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(prepare_module, "BLOCK_BYTES", block_bytes)
         return prepare_data(cfg, 512).dir
+
+
+def run_main(argv, monkeypatch, capsys, port: bool = True) -> tuple:
+    """``llama-train <argv>`` through its real ``main()`` in this process: (exit code, stderr +
+    stdout). ``port``: a fresh MASTER_PORT (main() ends its group: a new one each)."""
+    from llama_train import train as train_mod
+
+    monkeypatch.setattr(sys, "argv", ["llama-train", *argv])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # main() sets it; restored afterwards
+    if port:
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    code = 0
+    try:
+        train_mod.main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.err + out.out

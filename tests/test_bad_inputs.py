@@ -20,7 +20,7 @@ import re
 import pytest
 import torch
 
-from helpers import TINY, free_port, tiny_prepared
+from helpers import TINY, free_port, run_main, tiny_prepared
 from llama_train import train as train_mod
 from llama_train.model import ModelArgs
 from llama_train.records import read_metrics, step_records
@@ -31,16 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_rank")  # conftest.py: a world of one
 
 def llama_train(argv, monkeypatch, capsys) -> tuple[int, str]:
     """``llama-train <argv>`` in this process: (exit code, stderr + stdout)."""
-    monkeypatch.setattr(sys, "argv", ["llama-train", *argv])
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # main() sets it; restored afterwards
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # main() ends its group: a new one each
-    code = 0
-    try:
-        train_mod.main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.err + out.out
+    return run_main(argv, monkeypatch, capsys)
 
 
 def tree(d: Path) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, TINY, compose_cfg, free_port, spawn, tail, wait_for
+from helpers import REPO, TINY, compose_cfg, free_port, run_main, spawn, tail, wait_for
 from llama_train.config import Config
 from llama_train.preflight import preflight
 
@@ -179,16 +179,7 @@ def llama_train(argv, monkeypatch, capsys):
     """``llama-train <argv>`` in this process: (exit code, stderr + stdout)."""
     from llama_train import train as train_mod
 
-    monkeypatch.setattr(sys, "argv", ["llama-train", *argv])
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    code = 0
-    try:
-        train_mod.main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.err + out.out
+    return run_main(argv, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("override", ["comm.simulate_ranks=1000000", "data.shard_tokens=1",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, free_port
+from helpers import TINY, free_port, run_main
 from llama_train import train as train_mod
 from llama_train.config import load_config
 from llama_train.records import read_metrics, step_records
@@ -38,16 +38,7 @@ def llama_train(argv, monkeypatch, capsys, record: bool = False):
 
     if record:
         monkeypatch.setattr(train_mod, "run_job", decide)
-    monkeypatch.setattr(sys, "argv", ["llama-train", *argv])
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # main() sets it; restored afterwards
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # main() ends its group: a new one each
-    code = 0
-    try:
-        train_mod.main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.err + out.out, dirs
+    return (*run_main(argv, monkeypatch, capsys), dirs)
 
 
 def dirs_under(root: Path) -> set:

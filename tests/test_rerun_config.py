@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import TINY, compose_cfg
+from helpers import TINY, compose_cfg, run_main
 from llama_train import train as train_mod
 from llama_train.config import load_config, to_container
 
@@ -40,15 +40,7 @@ def llama_train(argv, monkeypatch, capsys):
                      | {"chdir": hc.job.chdir}})
 
     monkeypatch.setattr(train_mod, "run_job", record)
-    monkeypatch.setattr(sys, "argv", ["llama-train", *argv])
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # main() sets it; restored afterwards
-    code = 0
-    try:
-        train_mod.main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.err + out.out, jobs
+    return (*run_main(argv, monkeypatch, capsys, port=False), jobs)
 
 
 @pytest.fixture
