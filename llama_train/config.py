@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -43,6 +43,7 @@ def _check_ranges(section: str, obj: Any, ranges: Dict[str, Range]) -> None:
 _COUNT = Range(1, INT32_MAX, integer=True)
 _COUNT0 = Range(0, INT32_MAX, integer=True)
 COMM_MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective stuck longer than a week is a hang
+COMPILE_CHOICES = ("auto", "true", "false")  # trainer.compile
 
 
 def _check_choice(key: str, value: Any, choices: tuple) -> None:
@@ -126,7 +127,10 @@ class TrainerConfig:
     init_from: Optional[str] = per_launch(None)
     seed: int = 1337
     device: str = may_change("auto")  # auto | cpu | cuda
-    compile: bool = may_change(False)  # torch.compile each transformer block
+    # torch.compile each transformer block: auto (on CUDA, where it pays: 1.28x on one H200,
+    # docs/performance.md; CPU stays eager, where a cold compile costs more than a short run
+    # gains), true or false. YAML booleans and the strings "true"/"false" both work.
+    compile: str = may_change("auto")
     # Peak FLOP/s per device for MFU. None: the datasheet bf16 figure on known GPUs, else a matmul
     # measured once per machine and thread count, cached in $LLAMA_TRAIN_CACHE/peak_flops.json.
     peak_flops: Optional[float] = may_change(None)
@@ -169,6 +173,21 @@ class TrainerConfig:
                 f"directory or a .pt written by llama-import."
             )
         _check_choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
+        # OmegaConf stores a YAML boolean in this str field as "True"/"False"
+        compile_ = str(self.compile).strip().lower()
+        if compile_ not in COMPILE_CHOICES:
+            raise ConfigError(
+                f"trainer.compile={self.compile!r} must be one of {', '.join(COMPILE_CHOICES)}: "
+                f"auto compiles each block on CUDA and leaves CPU eager, true always compiles, "
+                f"false never does.")
+        self.compile = compile_
+
+    def compiles(self, device_type: str) -> Tuple[bool, str]:
+        """Whether each block is compiled on ``device_type``, and why (for the start log)."""
+        if self.compile == "auto":
+            on = device_type == "cuda"
+            return on, "auto: CUDA" if on else f"auto: {device_type.upper()} stays eager"
+        return self.compile == "true", "as set"
 
 
 @dataclass
@@ -250,10 +269,23 @@ DEEPSPEED_OWNED: Dict[str, str] = {
     "zero_optimization.offload_optimizer.device": "set deepspeed.offload_optimizer instead",
     "zero_optimization.offload_param.device": "set deepspeed.offload_params instead",
 }
+# Keys of ours that engine/ds_config.py writes only while they are on (a run without them gets
+# the JSON it got before they existed; DeepSpeed 0.19.8 refuses mics_shard_size even at its off
+# value): refused in ``deepspeed.extra`` like DEEPSPEED_OWNED, as our checks (ZeRO-3, ranks per
+# node, CUDA) would not see them there.
+DEEPSPEED_OWNED_WHEN_ON: Dict[str, str] = {
+    "zero_optimization.zero_hpz_partition_size": "set deepspeed.zeropp.hpz_partition_size "
+                                                 "instead (checked against the ranks per node)",
+    "zero_optimization.zero_quantized_weights": "set deepspeed.zeropp.quantized_weights instead",
+    "zero_optimization.zero_quantized_gradients": "set deepspeed.zeropp.quantized_gradients "
+                                                  "instead",
+    "zero_optimization.mics_shard_size": "set deepspeed.mics_shard_size instead",
+}
 
 
 def _check_deepspeed_extra(extra: Dict[str, Any]) -> None:
-    """Refuse a ``deepspeed.extra`` key of :data:`DEEPSPEED_OWNED`, naming it and our setting."""
+    """Refuse a ``deepspeed.extra`` key of :data:`DEEPSPEED_OWNED` (or
+    :data:`DEEPSPEED_OWNED_WHEN_ON`), naming it and our setting."""
     def leaves(d: Dict[str, Any], prefix: str = ""):  # config.flatten, defined below import time
         for k, v in d.items():
             if isinstance(v, dict) and v:
@@ -262,7 +294,7 @@ def _check_deepspeed_extra(extra: Dict[str, Any]) -> None:
                 yield f"{prefix}{k}", v
 
     for key, value in leaves(extra):
-        for owned, fix in DEEPSPEED_OWNED.items():
+        for owned, fix in {**DEEPSPEED_OWNED, **DEEPSPEED_OWNED_WHEN_ON}.items():
             if key == owned or key.startswith(owned + "."):
                 raise ConfigError(f"deepspeed.extra.{key}: {fix}.")
             if owned.startswith(key + ".") and not isinstance(value, dict):
@@ -270,6 +302,45 @@ def _check_deepspeed_extra(extra: Dict[str, Any]) -> None:
                     f"deepspeed.extra.{key}={value!r} would replace DeepSpeed's {key} section, "
                     f"which holds {owned} ({fix}): give the keys to set under it instead, e.g. "
                     f"deepspeed.extra.{key}.<key>=<value>.")
+
+
+@dataclass
+class ZeroPPConfig:
+    """ZeRO++ (Wang et al. 2023, DeepSpeed's ``zero_hpz_partition_size``,
+    ``zero_quantized_weights``, ``zero_quantized_gradients``): three cuts of ZeRO-3's
+    inter-node traffic. All off by default; each needs deepspeed.zero_stage=3."""
+
+    hpz_partition_size: int = 1
+    """hpZ: N > 1 keeps a second copy of the weights partitioned over each group of N
+    consecutive ranks (one node: N must divide the ranks per node), so the all-gathers of
+    backward stay inside the node. Costs 2 bytes/param (bf16) / N more per rank; numerically
+    identical to ZeRO-3. 1: off."""
+    quantized_weights: bool = False
+    """qwZ: the forward all-gather sends int8 weights (blocks of quantized values + scales):
+    half the bytes of bf16. Needs DeepSpeed's CUDA quantizer kernels (refused on CPU)."""
+    quantized_gradients: bool = False
+    """qgZ: the gradient reduce-scatter becomes a two-stage all-to-all of int4 gradients
+    (within, then across nodes): about a quarter of the bytes. DeepSpeed applies it only when
+    the job spans nodes (one node: a plain reduce-scatter). Needs CUDA kernels (refused on CPU)."""
+
+    def __post_init__(self) -> None:
+        _check_ranges("deepspeed.zeropp", self, {
+            "hpz_partition_size": Range(1, SIMULATE_MAX_RANKS, integer=True,
+                                        fix="ranks that share the secondary weight partition "
+                                            "(the ranks of one node), or 1 for off"),
+        })
+        for name in ("quantized_weights", "quantized_gradients"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"deepspeed.zeropp.{name}={getattr(self, name)!r} must be "
+                                  f"true or false.")
+
+    @property
+    def enabled(self) -> List[str]:
+        """The ZeRO++ keys that are on (``deepspeed.zeropp.<name>``)."""
+        return [f"deepspeed.zeropp.{k}" for k, on in (
+            ("hpz_partition_size", self.hpz_partition_size > 1),
+            ("quantized_weights", self.quantized_weights),
+            ("quantized_gradients", self.quantized_gradients)) if on]
 
 
 @dataclass
@@ -306,6 +377,19 @@ class DeepSpeedConfig:
     # (what defines the run's numerics, precision, batch, optimizer, is ours and refused here;
     # a key added or removed is not compared, as resume compares keys both configs have).
     extra: Dict[str, Any] = may_change(factory=dict)
+    # ZeRO++ (hpZ, qwZ, qgZ): what they change is who sends what to whom, never the checkpoint
+    # (hpZ's secondary copy is not saved; the saved partitions stay ZeRO-3's over all ranks), so
+    # each may change on resume, like the bucket sizes (qwZ/qgZ round the communication: later
+    # steps differ, as with float8)
+    zeropp: ZeroPPConfig = may_change(factory=ZeroPPConfig)
+    mics_shard_size: int = 0
+    """MiCS (Zhang et al. 2022): N > 0 shards parameters, gradients and optimizer state over
+    groups of N ranks instead of all of them (replicas across groups, their gradients
+    all-reduced): per-rank model states x world/N, collectives inside the group. 0: off.
+    Refused with the installed DeepSpeed (0.19.8 has no MiCS; see mics_unavailable). Defines
+    the run (no may_change mark): a MiCS checkpoint holds partitions over the shard group, which
+    neither plain ZeRO-3 nor DeepSpeed's universal conversion (ds_to_universal assumes one
+    partition per rank of the world) reads."""
 
     def __post_init__(self) -> None:
         _check_choice("deepspeed.zero_stage", self.zero_stage, (0, 1, 2, 3))
@@ -346,6 +430,23 @@ class DeepSpeedConfig:
                 f"DeepSpeed aligns all-gather buffers to 4 bytes (2 half-precision elements); "
                 f"use {self.allgather_bucket_size + 1}.")
         _check_deepspeed_extra(self.extra)
+        _check_ranges("deepspeed", self, {
+            "mics_shard_size": Range(0, SIMULATE_MAX_RANKS, integer=True,
+                                     fix="the ranks of one MiCS shard group, or 0 for off"),
+        })
+        on = self.zeropp.enabled + (["deepspeed.mics_shard_size"] if self.mics_shard_size else [])
+        if on and self.zero_stage != 3:
+            raise ConfigError(
+                f"{on[0]} needs deepspeed.zero_stage=3 (got {self.zero_stage}): ZeRO++ and MiCS "
+                f"change how ZeRO-3 gathers partitioned weights; set deepspeed.zero_stage=3 (or "
+                f"deepspeed=zero3), or turn {' and '.join(on)} off.")
+        if self.zeropp.hpz_partition_size > 1 and self.mics_shard_size:
+            raise ConfigError(
+                f"deepspeed.zeropp.hpz_partition_size={self.zeropp.hpz_partition_size} with "
+                f"deepspeed.mics_shard_size={self.mics_shard_size}: DeepSpeed does not combine "
+                f"them (MiCS replaces the partition group that hpZ's secondary copy is cut "
+                f"from); keep one: deepspeed.zeropp.hpz_partition_size=1 or "
+                f"deepspeed.mics_shard_size=0.")
 
     def zero_sizes(self, dim: int) -> Dict[str, int]:
         """DeepSpeed's zero_optimization sizes for a model of width ``dim``, unset ones resolved
@@ -612,9 +713,13 @@ def resolve_batch(trainer: TrainerConfig, world_size: int) -> BatchPlan:
     return BatchPlan(world_size, t.micro_batch, global_batch // per_step, global_batch, t.seq_len)
 
 
-def validate(cfg: Config, world_size: int, device: str) -> BatchPlan:
+def validate(cfg: Config, world_size: int, device: str,
+             ranks_per_node: Optional[int] = None) -> BatchPlan:
     """Checks across groups (each group checks its own fields when it is built). Raises
-    ConfigError naming the key and the fix; returns the batch resolved for ``world_size``."""
+    ConfigError naming the key and the fix; returns the batch resolved for ``world_size``.
+    ``ranks_per_node``: the launcher's ranks on this node (``Runtime.local_world_size``); by
+    default read as ``engine.detect_runtime`` reads it (LOCAL_SIZE, LOCAL_WORLD_SIZE, else the
+    world: one node)."""
     t = cfg.trainer
     if t.seq_len > cfg.model.max_seq_len:
         raise ConfigError(
@@ -634,7 +739,81 @@ def validate(cfg: Config, world_size: int, device: str) -> BatchPlan:
     if device == "cpu" and cfg.deepspeed.precision == "fp16":
         raise ConfigError("deepspeed.precision=fp16 is not supported on CPU: use fp32 (or bf16).")
     _check_float8(cfg, device)
+    _check_zeropp_mics(cfg, world_size, device, ranks_per_node)
     return resolve_batch(t, data_parallel_size(cfg, world_size))
+
+
+def mics_unavailable() -> Optional[str]:
+    """Why ``deepspeed.mics_shard_size`` cannot run here, or None. Read from DeepSpeed's files,
+    without importing it (this runs before DeepSpeed is imported): DeepSpeed removed MiCS
+    after 0.19.6 (0.19.8 has no ``runtime/zero/mics.py``; its config refuses
+    ``zero_optimization.mics_shard_size``, DeepSpeed issue 8489). With a DeepSpeed that has it our ZeRO-3 build would still
+    need ``deepspeed.zero.MiCS_Init`` in place of ``zero.Init``: MiCS's optimizer reads the
+    shard groups MiCS_Init attaches to each parameter (``param.comm``)."""
+    import importlib.util
+    from importlib import metadata
+
+    try:
+        spec = importlib.util.find_spec("deepspeed")
+        version = metadata.version("deepspeed")
+    except (ImportError, ValueError, metadata.PackageNotFoundError):
+        return "DeepSpeed is not installed"
+    where = list(spec.submodule_search_locations or []) if spec else []
+    if not any(os.path.isfile(os.path.join(d, "runtime", "zero", "mics.py")) for d in where):
+        return (f"the installed DeepSpeed {version} has no MiCS (DeepSpeed removed it, issue "
+                f"8489; its config refuses zero_optimization.mics_shard_size)")
+    return (f"llama_train builds ZeRO-3 models with deepspeed.zero.Init, and DeepSpeed "
+            f"{version}'s MiCS needs deepspeed.zero.MiCS_Init (engine/build.py)")
+
+
+def _check_zeropp_mics(cfg: Config, world_size: int, device: str,
+                       ranks_per_node: Optional[int]) -> None:
+    """ZeRO++ and MiCS against the job (their stage and their pairing: DeepSpeedConfig): the
+    quantized paths need CUDA; hpZ and MiCS groups are consecutive ranks, so a size must divide
+    the world and the ranks of a node (a group that spans two nodes gathers over the network,
+    the traffic they exist to keep inside a node); MiCS must exist in this DeepSpeed."""
+    ds = cfg.deepspeed
+    zpp = ds.zeropp
+    for name in ("quantized_weights", "quantized_gradients"):
+        if getattr(zpp, name) and device != "cuda":
+            raise ConfigError(
+                f"deepspeed.zeropp.{name}=true on {device}: ZeRO++'s quantized "
+                f"{'all-gather' if name == 'quantized_weights' else 'reduce-scatter'} runs "
+                f"DeepSpeed's CUDA quantizer kernels (QuantizerBuilder), which have no CPU "
+                f"implementation ('This op had not been implemented on CPU backend'); run on "
+                f"GPUs or set deepspeed.zeropp.{name}=false.")
+    if ds.mics_shard_size:
+        why = mics_unavailable()
+        if why is not None:
+            raise ConfigError(
+                f"deepspeed.mics_shard_size={ds.mics_shard_size}: MiCS cannot run here: {why}. "
+                f"Set deepspeed.mics_shard_size=0; deepspeed.zeropp.hpz_partition_size=<ranks "
+                f"per node> keeps the weight all-gathers of backward inside a node instead.")
+    sizes = [(k, v) for k, v in (("deepspeed.zeropp.hpz_partition_size", zpp.hpz_partition_size),
+                                 ("deepspeed.mics_shard_size", ds.mics_shard_size)) if v > 1]
+    if sizes and cfg.parallel.sequence > 1:
+        raise ConfigError(
+            f"{sizes[0][0]}={sizes[0][1]} with parallel.sequence={cfg.parallel.sequence}: not "
+            f"verified together (DeepSpeed cuts hpZ and MiCS groups from the global ranks, "
+            f"sequence parallelism from the same ranks); set parallel.sequence=1 or "
+            f"{sizes[0][0]}={'1' if 'hpz' in sizes[0][0] else '0'}.")
+    if ranks_per_node is None:  # as engine.detect_runtime reads it
+        ranks_per_node = int(os.environ.get("LOCAL_SIZE",
+                                            os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    for key, n in sizes:
+        off = "1" if "hpz" in key else "0"
+        if world_size % n:
+            raise ConfigError(
+                f"{key}={n} does not divide the {world_size} rank(s): the ranks form groups of "
+                f"{n} consecutive ranks; choose a divisor of {world_size} that divides the ranks "
+                f"per node, or {key}={off} for off.")
+        # a simulated rank has no node: its layout is the planned job's, checked when it runs
+        if not cfg.comm.simulate_ranks and ranks_per_node % n:
+            raise ConfigError(
+                f"{key}={n} does not fit inside a node of {ranks_per_node} rank(s) (groups of "
+                f"{n} consecutive ranks would span nodes and gather over the network, the "
+                f"traffic it exists to keep inside a node): choose a divisor of the ranks per "
+                f"node ({ranks_per_node}), or {key}={off} for off.")
 
 
 def _check_float8(cfg: Config, device: str) -> None:

@@ -102,7 +102,8 @@ def preflight(cfg: Config) -> Preflight:
     cfg, experiment = plan_experiment(cfg, dp)
     candidate = _resume_candidate(cfg)  # looked for once: a file may change between looks
     cfg = _keep_checkpoint_batch(cfg, candidate, dp, rt.is_main)
-    plan = validate(cfg, rt.world_size, rt.device_type)
+    # ranks per node: hpZ and MiCS groups must fit inside one (deepspeed.zeropp, mics_shard_size)
+    plan = validate(cfg, rt.world_size, rt.device_type, ranks_per_node=rt.local_world_size)
     if cfg.float8.enabled:  # torchao present, FP8 matmuls on this GPU (validate: device, precision)
         from llama_train.float8 import check_device
 

@@ -56,6 +56,9 @@ class Simulation:
         self.training = True
         self.to_first_step_s: Optional[float] = None
         self.checkpoint: Optional[Dict[str, Any]] = None
+        from llama_train.comm import counting
+
+        self.traffic = counting.start()  # what MirrorGroup is asked, from here on
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -113,6 +116,9 @@ class Simulation:
                   "peak_bytes": peak["peak_above_idle"], "peak_phase": peak["peak_phase"],
                   "checkpoint": self.checkpoint, "first_step": self.first_step + 1,
                   "command_to_first_step_s": self.to_first_step_s}
+        report["traffic"] = traffic_beside_the_plan(self.traffic.to_dict(), self.cfg,
+                                                    self.model_args, self.plan, self.precision,
+                                                    self.rt.world_size)
         return beside_the_plan(report, self.cfg, self.model_args, self.plan, self.precision)
 
 
@@ -133,6 +139,41 @@ def planned(cfg, model_args, plan, precision: str, world: int, device: str,
             sequence_parallel=cfg.parallel.sequence)
     except ValueError as e:  # ScalingError: settings the planner does not model
         return {"error": str(e)}
+
+
+def planned_traffic(cfg, model_args, plan, precision: str, world: int) -> Dict[str, Any]:
+    """:func:`llama_train.scaling.traffic.planned_traffic` for this run's settings (what a rank
+    of ``world`` should send per step), or {"error": why} where it has no figure."""
+    from llama_train.scaling.traffic import planned_traffic as plan_traffic
+
+    try:
+        return plan_traffic(model_args, world_size=world, zero_stage=cfg.deepspeed.zero_stage,
+                            dtype=precision, grad_accum=plan.grad_accum,
+                            micro_batch=plan.micro_batch, seq_len=plan.seq_len,
+                            sequence_parallel=cfg.parallel.sequence, ds=cfg.deepspeed,
+                            decay_embeddings=cfg.optim.decay_embeddings,
+                            decay_norms_and_biases=cfg.optim.decay_norms_and_biases)
+    except ValueError as e:  # ScalingError: settings the planner does not model
+        return {"error": str(e)}
+
+
+def traffic_beside_the_plan(counted: Dict[str, Any], cfg, model_args, plan, precision: str,
+                            world: int) -> Dict[str, Any]:
+    """One step's counted collectives (:func:`llama_train.comm.counting.step_summary`) beside the
+    planner's: bytes per kind, and per (phase, kind, group size) whether they are equal."""
+    from llama_train.comm.counting import step_summary
+    from llama_train.scaling.traffic import by_key
+
+    step = step_summary(counted)
+    p = planned_traffic(cfg, model_args, plan, precision, world)
+    want = by_key(p.get("collectives", []))
+    got = by_key(step["rows"])
+    return {"step": step["step"], "all_steps_equal": step["all_steps_equal"],
+            "bytes_per_kind": step["bytes_per_kind"],
+            "planned_bytes_per_kind": p.get("bytes_per_kind"),
+            "bytes_per_kind_by_step": step.get("bytes_per_kind_by_step"),
+            "rows": step["rows"], "planned_rows": p.get("collectives"),
+            "equal": bool(want) and want == got, "planner_error": p.get("error")}
 
 
 def _not_yet(planned: Dict[str, Any], phase: str, zero_stage: int) -> float:
@@ -226,6 +267,21 @@ def format_table(r: Dict[str, Any]) -> str:
     if c:
         lines.append(f"  checkpoint: this rank's files {c['rank_bytes'] / 2**20:.1f} MiB, rank 0's "
                      f"{c['rank0_bytes'] / 2**20:.1f} MiB; the job's ~{c['job_bytes'] / gib:.2f} GiB")
+    t = r.get("traffic")
+    if t and t.get("step") is not None:
+        lines.append(f"  traffic of step {t['step']} (MB sent by collectives, bytes of the "
+                     f"whole buffer; planned by scaling.traffic):")
+        want = t.get("planned_bytes_per_kind") or {}
+        for kind in sorted(set(t["bytes_per_kind"]) | set(want)):
+            got, plan = t["bytes_per_kind"].get(kind), want.get(kind)
+            lines.append(f"    {kind:<15} {'-' if got is None else f'{got / 1e6:12.6f}':>12} "
+                         f"{'-' if plan is None else f'{plan / 1e6:12.6f}':>12}"
+                         f"{'' if got == plan else '  (differs)'}")
+        lines.append(f"    per phase, kind and group: "
+                     f"{'equal to the plan' if t['equal'] else 'NOT equal to the plan'}"
+                     + ("" if t["all_steps_equal"] else "; the steps after the second differ"))
+        if t.get("planner_error"):
+            lines.append(f"    the planner has no figure: {t['planner_error']}")
     if r["command_to_first_step_s"] is not None:
         lines.append(f"  from the command to the end of step {r['first_step']}: "
                      f"{r['command_to_first_step_s']:.1f} s")
@@ -234,35 +290,75 @@ def format_table(r: Dict[str, Any]) -> str:
 
 class MeteredEngine:
     """The engine as the loop sees it, with the first steps' forward, backward and optimizer
-    step measured; everything else passes through."""
+    step measured (a simulated rank's ``sim``), and the phase each collective belongs to told
+    to the traffic counter (``traffic``: :mod:`llama_train.comm.counting`); everything else
+    passes through."""
 
-    def __init__(self, engine, sim: Simulation):
-        self._engine, self._sim = engine, sim
+    def __init__(self, engine, sim: Optional[Simulation], traffic=None):
+        self._engine, self._sim, self._traffic = engine, sim, traffic
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
+    def _measured(self, what: str):
+        return self._sim.step_phase(what) if self._sim is not None else contextlib.nullcontext()
+
+    def _phase(self, name: str) -> None:
+        if self._traffic is not None and self._traffic.phase != "eval":
+            self._traffic.set_phase(name)
+
     def __call__(self, x, y, **kwargs):
-        with self._sim.step_phase("forward"):
+        self._phase("forward")
+        with self._measured("forward"):
             return self._engine(x, y, **kwargs)
 
     def backward(self, loss) -> None:
-        with self._sim.step_phase("backward"):
+        self._phase("backward")
+        with self._measured("backward"):
             self._engine.backward(loss)
+        self._phase("step")  # the loss all-reduce after the last backward belongs to the step
+
+    def micro_step(self) -> None:
+        self._phase("backward")  # DeepSpeed's step between micro-batches (ZeRO-2 reduces here)
+        self._engine.micro_step()
 
     def step(self, nonfinite_loss: bool = False):
-        with self._sim.step_phase("step"):
+        self._phase("step")
+        with self._measured("step"):
             result = self._engine.step(nonfinite_loss)
-        self._sim.step_done()
+        if self._sim is not None:
+            self._sim.step_done()
+        if self._traffic is not None:
+            self._traffic.step_done()
         return result
 
     def train(self) -> None:
-        self._sim.training = True
+        if self._sim is not None:
+            self._sim.training = True
+        if self._traffic is not None:
+            self._traffic.set_phase("other")
         self._engine.train()
 
     def eval(self) -> None:
-        self._sim.training = False
+        if self._sim is not None:
+            self._sim.training = False
+        if self._traffic is not None:
+            self._traffic.set_phase("eval")
         self._engine.eval()
+
+
+def metered(engine, sim: Optional[Simulation], output_dir: str, rank: int):
+    """The engine the loop drives: :class:`MeteredEngine` around it when this rank is simulated
+    or counts its traffic (``comm.count_traffic``: the counts written to
+    :func:`llama_train.comm.counting.traffic_file` after each step), else the engine itself."""
+    from llama_train.comm import counting
+
+    traffic = counting.active()
+    if sim is None and traffic is None:
+        return engine
+    if traffic is not None and sim is None:
+        traffic.path = counting.traffic_file(output_dir, rank)
+    return MeteredEngine(engine, sim, traffic)
 
 
 def rename_losses(metrics: Dict[str, Any]) -> Dict[str, Any]:

@@ -319,3 +319,28 @@ def test_startup_bench_options(tmp_path):
 
 # `llama-bench checkpoint` (blocked and durable seconds of each save, from real records) runs
 # as documented in docs/benchmarks-checkpoint.md: tests/test_docs_commands.py.
+
+
+def test_train_bench_json_keeps_the_old_peak_keys_with_a_deprecation_note():
+    """Readers of reports from before 2026-11-28 find ``peak_flops.square_1024*`` still there
+    (the MFU denominator under its old names) and a ``deprecated`` map naming what replaces each."""
+    import argparse
+
+    from llama_train.bench.report import build_report
+    from llama_train.flops import PeakFlops
+    from llama_train.model import load_preset
+
+    import torch
+
+    peak = PeakFlops(torch.device("cpu"), "fp32", 1, 5e11)
+    args = argparse.Namespace(preset="x", micro_batch=2, seq_len=64, precision="fp32",
+                              zero_stage=0, compile=False, steps=3, warmup=1, rounds=2,
+                              interleave="step", override=[], threads=1, peak_flops=5e11)
+    r = build_report(args, "llama-bench train", "cpu", "fp32", load_preset("tiny"), 1e6, peak,
+                     [3e11, 3.2e11], [_fake_run(0.1), _fake_run(0.1)], [], {"workers=0": 1e-4},
+                     0, [(0.0, 0.0, 0.0)] * 2)
+    pk = json.loads(json.dumps(r))["peak_flops"]
+    assert pk["square_1024"] == pk["value"] == 5e11
+    assert pk["square_1024_per_round"] == [5e11, 5e11]
+    assert set(pk["deprecated"]) == {"square_1024", "square_1024_per_round"}
+    assert all(v.startswith("value") for v in pk["deprecated"].values())

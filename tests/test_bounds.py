@@ -88,6 +88,8 @@ BAD = {
     "deepspeed.stage3_max_live_parameters": ["0"],
     "deepspeed.sub_group_size": ["0"],
     "deepspeed.steps_per_print": ["0"],
+    "deepspeed.zeropp.hpz_partition_size": ["0", "65537"],
+    "deepspeed.mics_shard_size": ["-1", "65537"],
     "comm.timeout_s": ["0", "100000000"],
     "comm.simulate_ranks": ["1", "-4", "1000000"],
     "comm.simulate_rank": ["3"],

@@ -380,6 +380,12 @@ TABLE: List[Tuple[str, object]] = [
     # ---- docs/benchmarks.md
     ("bash launch/gpu_check.sh --out /tmp/gpu_check", Run("--out gpu_check", expect="skipped")),
     ("python -m llama_train.bench.gpu_check --print-commands", Run()),
+    # docs/benchmarks-gpu.md and docs/performance.md: issue 55's FP8 and compile stages
+    ("bash launch/gpu_check.sh --budget-s 1000 --only bench_vocab_8192_fp8_eager,"
+     "bench_8b_layers_eager,bench_8b_layers_fp8_eager,bench_8b_layers_compiled,"
+     "bench_8b_layers_fp8_compiled,fp8_loss_8b_layers",
+     Needs("a GPU", "an H100/H200-class GPU (FP8 matmuls need sm_89+), ~15 minutes; without "
+                    "one the check says it skipped (tests/test_gpu_check.py)")),
     ("bash launch/gpu_bundle.sh", Needs("the network", "downloads wheels from the package index "
                                                      "into .whl/ (~17 s)")),
     # ---- docs/data.md
@@ -420,6 +426,21 @@ TABLE: List[Tuple[str, object]] = [
     ("llama-train model=llama2_70b deepspeed.zero_stage=3 deepspeed.precision=bf16 "
      "comm.simulate_ranks=512 trainer.max_steps=2 trainer.output_dir=/tmp/sim-70b",
      Needs("a template", "the README's simulation with an output directory; it runs above")),
+    ("DS_ACCELERATOR=cpu llama-train model=small deepspeed=zero3 "
+     "deepspeed.zeropp.hpz_partition_size=2 comm.simulate_ranks=4 trainer.seq_len=64 "
+     "trainer.micro_batch=1 trainer.max_steps=2 trainer.save_every=2 "
+     "trainer.output_dir=/tmp/sim-hpz",
+     Run("data.max_documents=600 data.num_proc=1 trainer.eval_every=1000 "
+         "trainer.eval_sequences=8 sample.tokens=0 tracking.wandb.mode=disabled "
+         "trainer.output_dir=sim-hpz", expect="simulated rank 0 of 4")),
+    ("DS_ACCELERATOR=cpu NPROC_PER_NODE=2 launch/local_two_nodes.sh trainer.output_dir=/tmp/hpz "
+     "deepspeed=zero3 deepspeed.zeropp.hpz_partition_size=2",
+     Run(f"{T} trainer.output_dir=hpz")),
+    ("HOSTFILE=launch/hostfile launch/multinode.sh trainer.output_dir=/shared/runs/zpp "
+     "deepspeed=zero3 deepspeed.zeropp.hpz_partition_size=8 "
+     "deepspeed.zeropp.quantized_weights=true deepspeed.zeropp.quantized_gradients=true",
+     Needs("a cluster", "GPU nodes of 8 (qwZ and qgZ run DeepSpeed's CUDA quantizer; qgZ acts "
+                        "only across nodes); tests/test_zeropp.py refuses them on CPU")),
     # ---- docs/long-context.md (its llama-export line: the README's, above)
     ("llama-plan model-info --model llama3_1_8b --zero-stage 3 --world-size 64 --seq-len 32768 "
      "--activation-checkpointing --sequence-parallel 8",
@@ -512,6 +533,21 @@ TABLE: List[Tuple[str, object]] = [
     ("llama-plan compute-optimal --flops 1e19 --fit configs/scaling/ours.yaml",
      Run(before=f"llama-plan fit runs.csv --save-fit configs/scaling/ours.yaml {FIT}")),
     ("llama-train experiment=compute_optimal trainer.dry_run=true", Run(expect="dry run")),
+    # ---- docs/scale-out.md
+    ("llama-plan model-info --model llama3_70b --zero-stage 3 --world-size 512 --seq-len 8192 "
+     "--recommend", Run(expect="recommend: hpZ+qwZ+qgZ with activation checkpointing")),
+    ("llama-plan model-info --model llama3_8b --zero-stage 3 --world-size 64 --seq-len 8192 "
+     "--hpz-partition-size 8 --inter-node-gbps 200 --json", Run(expect="step_time_s")),
+    ("llama-plan model-info --model llama3_8b --zero-stage 3 --world-size 64 --seq-len 8192 "
+     "--recommend", Run(expect="recommend: ")),
+    ("llama-plan model-info --model llama3_8b --zero-stage 3 --world-size 512 --seq-len 8192 "
+     "--recommend", Run(expect="recommend: ")),
+    ("llama-plan model-info --model llama3_8b --zero-stage 3 --world-size 1024 --seq-len 8192 "
+     "--recommend", Run(expect="recommend: ")),
+    ("llama-plan model-info --model llama3_70b --zero-stage 3 --world-size 64 --seq-len 8192 "
+     "--recommend", Run(expect="recommend: ")),
+    ("llama-plan model-info --model llama3_70b --zero-stage 3 --world-size 1024 --seq-len 8192 "
+     "--recommend", Run(expect="recommend: ")),
     # ---- docs/tracking.md
     ("wandb sync /tmp/wbtest/ckpt_runs0/wandb/wandb/offline-run-20261123_130919-74lhsz4z "
      "/tmp/wbtest/ckpt_runs0/wandb/wandb/offline-run-20261123_130942-74lhsz4z",

@@ -42,10 +42,11 @@ def test_listed_commands_are_valid_llama_train_runs():
     stages = [line.split()[2] for line in proc.stdout.splitlines() if line.startswith("== stage")]
     assert stages == ["data", "tiny", "sdpa", "sim8b", "bench_vocab_8192_eager",
                       "bench_vocab_128256_eager", "bench_vocab_8192_compiled",
-                      "bench_vocab_128256_compiled", "comm"]
+                      "bench_vocab_128256_compiled", "comm", *LEVER_STAGES]
     runs = [shlex.split(line) for line in proc.stdout.splitlines()
             if "llama_train.train" in line]
-    assert len(runs) == 7  # 4 tiny launches, the simulated rank, 2 for the 2-GPU comparison
+    # 4 tiny launches, the simulated rank, 2 for the 2-GPU comparison, FP8's bf16 and FP8 runs
+    assert len(runs) == 9
     for cmd in runs:
         overrides = cmd[cmd.index("llama_train.train") + 1:]
         overrides = [o for o in overrides if not o.startswith("data.tokenizer=")]  # made later
@@ -53,13 +54,45 @@ def test_listed_commands_are_valid_llama_train_runs():
             cfg = load_config(compose("config", overrides=overrides))
         if cfg.comm.simulate_ranks:
             assert (cfg.comm.simulate_ranks, cfg.model.vocab_size) == (64, 128256)
+        elif cfg.model.n_layers == 4 and cfg.model.dim == 4096:  # fp8_loss_8b_layers
+            assert cfg.trainer.max_steps == 200 and cfg.deepspeed.precision == "bf16"
         else:
             assert cfg.model.dim == 128 and cfg.trainer.seq_len == 64
             assert cfg.trainer.max_steps == 12 and cfg.trainer.save_every == 6
+        if not cfg.trainer.max_steps == 200:  # the stages before issue 55's run eager
+            assert cfg.trainer.compile == "false"
     benches = [line for line in proc.stdout.splitlines() if "llama_train.bench.train" in line]
-    assert len(benches) == 4 and all("--seq-len 2048" in b for b in benches)
-    assert sum("--compile" in b for b in benches) == 2
+    assert len(benches) == 9 and all("--seq-len 2048" in b for b in benches)
+    assert sum("--compile" in b for b in benches) == 4
+    assert sum("--float8" in b for b in benches) == 3
     assert sum("--preset llama3_2_1b" in b for b in benches) == 2
+    assert sum("--preset llama3_8b --override model.n_layers=4" in b for b in benches) == 4
+
+
+# issue 55's FP8 and compile stages, after every other stage
+LEVER_STAGES = ["bench_vocab_8192_fp8_eager", "bench_8b_layers_eager",
+                "bench_8b_layers_fp8_eager", "bench_8b_layers_compiled",
+                "bench_8b_layers_fp8_compiled", "fp8_loss_8b_layers"]
+
+
+def test_fp8_and_compile_stages_are_listed_and_skip_cleanly_without_a_gpu(capsys, monkeypatch):
+    """The new stages come last and are not --quick; --print-commands lists each with its limit
+    and command on any machine; asked for on a machine without CUDA, the check says why it
+    skipped and runs nothing."""
+    from llama_train.bench import gpu_check
+
+    names = [st.name for st in gpu_check.STAGES]
+    assert names[-len(LEVER_STAGES):] == LEVER_STAGES
+    assert not any(st.quick for st in gpu_check.STAGES if st.name in LEVER_STAGES)
+    gpu_check.main(["--print-commands", "--only", ",".join(LEVER_STAGES)])
+    out = capsys.readouterr().out
+    assert [line.split()[2] for line in out.splitlines() if line.startswith("== stage")] \
+        == LEVER_STAGES
+    assert out.count("--float8") == 3 and out.count("float8.enabled=true") == 1
+    assert out.count("--only ours") == 4 and out.count("--compile") == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    gpu_check.main(["--only", ",".join(LEVER_STAGES)])
+    assert capsys.readouterr().out.strip() == "gpu-check: skipped: torch sees no CUDA device."
 
 
 def _check(tmp_path, budget_s: float):

@@ -49,3 +49,18 @@ def test_json_alone_on_stdout_without_ds_accelerator(argv, tmp_path):
     proc = _plan(*argv, "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     json.loads(proc.stdout)  # nothing before or after the JSON
+
+
+def test_model_info_json_keeps_the_keys_renamed_without_notice(capsys):
+    """``meta_param_count`` and ``meta_build_seconds`` left ``model-info --json`` when issue 53
+    stopped building the model on the meta device: written again, with the values of what
+    replaced them, and named under ``deprecated``."""
+    from llama_train.scaling.cli import main
+
+    assert main(["model-info", "--model", "llama3_8b", "--zero-stage", "3", "--world-size", "8",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["meta_param_count"] == out["params"]["total"] == 8_030_261_248
+    assert 0 <= out["meta_build_seconds"] < 60
+    assert set(out["deprecated"]) == {"meta_param_count", "meta_build_seconds"}
+    assert "params.total" in out["deprecated"]["meta_param_count"]

@@ -31,6 +31,9 @@ MAY_CHANGE = {
     "model.activation_checkpointing", "model.loss_chunk_tokens",
     "deepspeed.stage3_max_live_parameters", "deepspeed.stage3_max_reuse_distance",
     "deepspeed.sub_group_size", "deepspeed.extra",
+    # ZeRO++ changes who sends what, never the checkpoint (tests/test_zeropp.py)
+    "deepspeed.zeropp.hpz_partition_size", "deepspeed.zeropp.quantized_weights",
+    "deepspeed.zeropp.quantized_gradients",
 }
 # float8: FP8 matmuls on or off change the rounding of later steps, not the weights or state
 MAY_CHANGE_GROUPS = ("recovery.", "sample.", "tracking.", "comm.", "float8.")
@@ -54,11 +57,14 @@ def test_the_marks_on_the_fields_are_the_policy():
 
 def test_every_deepspeed_knob_but_precision_may_change():
     """Buckets, prefetch and partitioning knobs change speed and memory, never the run: a
-    resume may change any of them (stage3_max_live_parameters refused one before)."""
+    resume may change any of them (stage3_max_live_parameters refused one before). Except
+    MiCS's shard size: a MiCS checkpoint holds partitions over the shard group, which neither
+    plain ZeRO-3 nor the universal conversion reads (config.DeepSpeedConfig.mics_shard_size)."""
     from llama_train.config import config_keys
 
     ds = [k for k in config_keys() if k.startswith("deepspeed.")]
-    assert [k for k in ds if policy_of(k) != policy.MAY_CHANGE] == ["deepspeed.precision"]
+    assert [k for k in ds if policy_of(k) != policy.MAY_CHANGE] == [
+        "deepspeed.mics_shard_size", "deepspeed.precision"]
 
 
 def _checkpoint(tmp_path, model=None, world_size=2, zero_stage=2, global_batch=8):

@@ -19,7 +19,14 @@ ending, never loses the stages before it. The stages, in the order they run:
 5. ``bench_*``: ``llama-bench train`` ours vs Hugging Face ``LlamaForCausalLM`` at ~1B, bf16, seq 2048:
    the 8192-vocabulary shape of 2026-11-28 (dim 2048, 21 layers, GQA 16/4) and ``llama3_2_1b``'s
    (128256 vocabulary, tied), eager, then compiled;
-6. ``comm`` (2+ GPUs): NCCL bus bandwidth and 2 ranks ZeRO-2 == 1 rank.
+6. ``comm`` (2+ GPUs): NCCL bus bandwidth and 2 ranks ZeRO-2 == 1 rank;
+7. issue 55's levers (not in ``--quick``; after the rest, so a default 480 s run reaches them only
+   with ``--only``): ``bench_vocab_8192_fp8_eager`` (the ~1B with FP8 linears vs HF bf16, beside
+   ``bench_vocab_8192_eager``'s bf16), ``bench_8b_layers_eager`` / ``_fp8_eager`` / ``_compiled``
+   / ``_fp8_compiled`` (ours only, 4 layers of ``llama3_8b``: FP8 and compile against bf16,
+   tokens/s), and ``fp8_loss_8b_layers`` (``llama-train`` 200 steps bf16 then FP8, both compiled
+   as ``trainer.compile=auto`` does on CUDA: the loss, target within 1%). The stages before these
+   pin ``trainer.compile=false`` where they launch ``llama-train``: their timings are eager's.
 
 ``--print-commands`` lists the commands without running anything (also on a CPU machine).
 """
@@ -44,10 +51,12 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 # the data every stage of the same vocabulary shares: prepared once (by the bundle, or here)
 TINY_DATA = ["data.max_documents=600", "data.num_proc=1"]
+# trainer.compile=false: the default (auto) compiles on CUDA, which would add a cold compile to
+# each of these launches; compile has its own stages
 TINY = ["model=tiny", *TINY_DATA, "trainer.seq_len=64", "trainer.micro_batch=4",
         "trainer.log_every=1", "trainer.eval_every=6", "trainer.save_every=6", "sample.tokens=8",
         "tracking.wandb.mode=disabled", "tracking.console=false", "deepspeed.precision=bf16",
-        "trainer.max_steps=12"]
+        "trainer.max_steps=12", "trainer.compile=false"]
 ONE_B_8K = {"dim": 2048, "n_layers": 21, "n_heads": 16, "n_kv_heads": 4, "vocab_size": 8192,
             "max_seq_len": 2048}  # ~1B: the shape measured on 2026-11-28
 BIG_VOCAB = 128256  # Llama 3's
@@ -269,7 +278,7 @@ def sim_cmd(out: Path, tokenizer: Path) -> List[str]:
             "trainer.seq_len=4096", "trainer.micro_batch=1", "trainer.max_steps=2",
             "trainer.save_every=2", "trainer.eval_every=1000", "model.activation_checkpointing=true",
             f"data.tokenizer={tokenizer}", *BENCH_DATA, "tracking.wandb.mode=disabled",
-            f"trainer.output_dir={out}"]
+            "trainer.compile=false", f"trainer.output_dir={out}"]
 
 
 def stage_sim(c: Check) -> dict:
@@ -296,11 +305,16 @@ def stage_sim(c: Check) -> dict:
 # 5. ~1B, ours vs Hugging Face
 # --------------------------------------------------------------------------------------------
 
-def bench_cmd(out: Path, shape: str, compiled: bool) -> List[str]:
+def bench_cmd(out: Path, shape: str, compiled: bool, float8: bool = False,
+              only: Optional[str] = None) -> List[str]:
     if shape == "vocab_8192":
         model = ["--preset", "small", *[a for k, v in ONE_B_8K.items()
                                         for a in ("--override", f"model.{k}={v}")]]
         micro_batch = 16
+    elif shape == "8b_layers":  # llama3_8b's layer shapes, 4 of its 32 layers: one GPU holds it
+        model = ["--preset", "llama3_8b", "--override", f"model.n_layers={EIGHT_B_LAYERS}",
+                 "--override", f"data.tokenizer={big_vocab_tokenizer()}"]
+        micro_batch = 4
     else:  # llama3_2_1b: its 128256 vocabulary's logits are 4x the 8K shape's per token
         model = ["--preset", "llama3_2_1b", "--override",
                  f"data.tokenizer={big_vocab_tokenizer()}"]
@@ -310,17 +324,24 @@ def bench_cmd(out: Path, shape: str, compiled: bool) -> List[str]:
            "--steps", "8", "--warmup", "3", "--rounds", "1",
            "--interleave", "run",  # one side at a time: each gets the whole GPU
            "--json", str(out), *model, *[a for o in BENCH_DATA for a in ("--override", o)]]
-    return cmd + (["--compile"] if compiled else [])
+    return (cmd + (["--compile"] if compiled else []) + (["--float8"] if float8 else [])
+            + (["--only", only] if only else []))
 
 
 ROUND = re.compile(r"round \d+/\d+: (.*)")
+EIGHT_B_LAYERS = 4  # llama3_8b (dim 4096, ffn 14336, GQA 32/8, vocab 128256) with 4 layers
 
 
-def stage_bench(shape: str, compiled: bool) -> Callable[[Check], dict]:
+def bench_name(shape: str, compiled: bool, float8: bool = False) -> str:
+    return f"bench_{shape}{'_fp8' if float8 else ''}_{'compiled' if compiled else 'eager'}"
+
+
+def stage_bench(shape: str, compiled: bool, float8: bool = False,
+                only: Optional[str] = None) -> Callable[[Check], dict]:
     def run(c: Check) -> dict:
-        name = f"bench_{shape}_{'compiled' if compiled else 'eager'}"
+        name = bench_name(shape, compiled, float8)
         out = c.work / f"{name}.json"
-        cmd = bench_cmd(out, shape, compiled)
+        cmd = bench_cmd(out, shape, compiled, float8, only)
         rc = c.run(cmd, c.work / f"{name}.log")
         if c.dry:
             return {}
@@ -371,6 +392,46 @@ def stage_comm(c: Check) -> dict:
     return res
 
 
+# --------------------------------------------------------------------------------------------
+# 7. FP8 and compile at llama3_8b's layer shapes: tokens/s above, the loss after 200 steps here
+# --------------------------------------------------------------------------------------------
+
+FP8_LOSS_STEPS = 200
+
+
+def fp8_loss_cmd(out: Path, float8: bool) -> List[str]:
+    """llama-train itself, 200 steps of 4 llama3_8b layers in bf16, with or without FP8."""
+    return [sys.executable, "-m", "llama_train.train", "model=llama3_8b",
+            f"model.n_layers={EIGHT_B_LAYERS}", f"data.tokenizer={big_vocab_tokenizer()}",
+            *BENCH_DATA, "deepspeed.precision=bf16", "trainer.seq_len=2048",
+            "trainer.micro_batch=4", f"trainer.max_steps={FP8_LOSS_STEPS}",
+            "trainer.log_every=10", "trainer.eval_every=100000", "trainer.save_every=100000",
+            "sample.tokens=0", "tracking.wandb.mode=disabled", "tracking.console=false",
+            f"float8.enabled={'true' if float8 else 'false'}", f"trainer.output_dir={out}"]
+
+
+def stage_fp8_loss(c: Check) -> dict:
+    """bf16 then FP8 for 200 steps each: the mean loss of the last 10 logged steps, and FP8's
+    relative difference (the target: within 1%)."""
+    res: dict = {}
+    for kind, on in (("bf16", False), ("fp8", True)):
+        out = c.work / f"fp8_loss_{kind}"
+        cmd = fp8_loss_cmd(out, on)
+        rc = c.run(cmd, c.work / f"fp8_loss_{kind}.log", limit=c.left() / (2 if not on else 1))
+        res[kind] = {"command": shlex.join(cmd), "exit": rc}
+        if c.dry or rc != 0:
+            continue
+        got = losses(out)
+        last = [got[k] for k in sorted(got)[-10:]]
+        res[kind].update(steps=max(got), loss_last10=sum(last) / len(last))
+    if not c.dry and all("loss_last10" in res[k] for k in ("bf16", "fp8")):
+        a, b = res["bf16"]["loss_last10"], res["fp8"]["loss_last10"]
+        res["fp8_vs_bf16_rel_diff"] = (b - a) / a
+    if not c.dry:
+        print(f"  fp8_loss_8b_layers: {json.dumps(res)}", flush=True)
+    return res
+
+
 STAGES = [
     Stage("data", 150, stage_data),
     Stage("tiny", 150, stage_tiny),
@@ -381,6 +442,21 @@ STAGES = [
     Stage("bench_vocab_8192_compiled", 130, stage_bench("vocab_8192", True), quick=False),
     Stage("bench_vocab_128256_compiled", 130, stage_bench("vocab_128256", True), quick=False),
     Stage("comm", 120, stage_comm),
+    # issue 55's levers, after everything else: run them with --only (and a budget that holds
+    # them); in a default 480 s run the budget is spent before they start, and they say so
+    Stage("bench_vocab_8192_fp8_eager", 100, stage_bench("vocab_8192", False, float8=True),
+          quick=False),
+    Stage("bench_8b_layers_eager", 100, stage_bench("8b_layers", False, only="ours"),
+          quick=False),
+    Stage("bench_8b_layers_fp8_eager", 100,
+          stage_bench("8b_layers", False, float8=True, only="ours"), quick=False),
+    Stage("bench_8b_layers_compiled", 130, stage_bench("8b_layers", True, only="ours"),
+          quick=False),
+    # torchao's FP8 casts fuse into the matmuls' neighbours only when compiled: the pair the
+    # peers' +28-33% compares
+    Stage("bench_8b_layers_fp8_compiled", 130,
+          stage_bench("8b_layers", True, float8=True, only="ours"), quick=False),
+    Stage("fp8_loss_8b_layers", 300, stage_fp8_loss, quick=False, min_s=120),
 ]
 
 

@@ -15,6 +15,15 @@ def _median(xs: Sequence[float]) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
+# peak_flops keys renamed on 2026-11-28 (the bench stopped timing a square 1024^3 matmul per round
+# and divides by llama-train's own peak): still written, with what replaces each; to be removed
+DEPRECATED_PEAK_KEYS = {
+    "square_1024": "value (the MFU denominator; how it was found: kind, source)",
+    "square_1024_per_round": "value (decided once before the first round, so the same each "
+                             "round); model_shapes_per_round for a matmul timed per round",
+}
+
+
 def summarize_side(runs: List[dict], tokens_per_step: int, fpt: float, peak: float,
                    model_shapes: float) -> dict:
     """One side over its rounds: pooled median step time, tokens/s, MFU (against ``peak``, the
@@ -78,7 +87,12 @@ def build_report(args, command: str, device: str, precision: str, model_args, fp
                                        "trainer.peak_flops (--peak-flops), else the datasheet "
                                        "figure of a known GPU, else the cached matmul measurement",
                        "model_shapes_per_round": list(shapes_runs), "model_shapes": shapes,
-                       "used_for_mfu_vs_model_shapes": "model_shapes (max over rounds)"},
+                       "used_for_mfu_vs_model_shapes": "model_shapes (max over rounds)",
+                       # the keys before 2026-11-28, kept for readers of older reports: the MFU
+                       # denominator under its old names (no square matmul is timed any more)
+                       "square_1024": peak.value,
+                       "square_1024_per_round": [peak.value] * len(shapes_runs),
+                       "deprecated": DEPRECATED_PEAK_KEYS},
         "loader_alone_s_per_batch": loader,
     }
     if ours:

@@ -63,6 +63,11 @@ class CommConfig:
     (:mod:`llama_train.comm.simulate`). 0: off."""
     simulate_rank: int = per_launch(0)
     """Which rank ``simulate_ranks`` runs (0 .. N-1)."""
+    count_traffic: bool = per_launch(False)
+    """Count every collective this rank runs (kind, group size, bytes, phase) and write them to
+    ``<output_dir>/traffic/rank_NNNNN.json`` after each step (:mod:`llama_train.comm.counting`;
+    ``llama-plan model-info --world-size N`` plans the same figures). A simulated rank
+    (``simulate_ranks``) always counts, into its report."""
 
     def __post_init__(self) -> None:
         if self.backend not in _BACKENDS:

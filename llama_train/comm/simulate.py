@@ -12,6 +12,9 @@ every peer held exactly what this rank holds:
   averaged gradients and our averaged loss keep their magnitude; MAX/MIN/AVG leave it as it is;
 * broadcast, barrier: nothing to do (the source's value is the local one).
 
+Each collective is also counted (kind, group size, bytes) into this process's traffic counter
+when it has one (:mod:`llama_train.comm.counting`; a simulated run always has).
+
 The values that would come from other ranks are therefore this rank's own: a simulated run's
 loss is not the job's and must never be reported as such (the trainer says so). The point is
 what the rank allocates, how long its phases take and that its code path runs.
@@ -35,6 +38,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
+from llama_train.comm import counting
+
 BACKEND = "llama_sim"
 
 
@@ -42,6 +47,21 @@ def _done(result=None):
     fut: Future = Future()
     fut.set_result(result)
     return _create_work_from_future(fut)
+
+
+def _count(kind: str, size: int, tensors) -> None:
+    """Tell this process's traffic counter (:mod:`llama_train.comm.counting`) of a collective:
+    its kind, group size and the bytes of the whole buffer it is about (``tensors``: one
+    tensor or lists of them)."""
+    counter = counting.active()
+    if counter is None:
+        return
+
+    def total(x) -> int:
+        return (sum(total(y) for y in x) if isinstance(x, (list, tuple))
+                else 0 if x is None else counting.nbytes(x))
+
+    counter.add(kind, size, total(tensors))
 
 
 def _reduce_(t: torch.Tensor, op, n: int) -> None:
@@ -69,6 +89,7 @@ class MirrorGroup(dist.ProcessGroup):
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        _count("all_reduce", self._size, tensors)
         for t in tensors:
             _reduce_(t, op, self._size)
         return _done(tensors)
@@ -77,18 +98,22 @@ class MirrorGroup(dist.ProcessGroup):
         return self.allreduce(tensors, opts)
 
     def barrier(self, opts=None):
+        _count("barrier", self._size, None)
         return _done()
 
     def broadcast(self, tensors, opts=None):
+        _count("broadcast", self._size, tensors)
         return _done(tensors)
 
     def allgather(self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts=None):
+        _count("all_gather", self._size, outputs)
         for outs, x in zip(outputs, inputs):
             for o in outs:
                 o.copy_(x)
         return _done(outputs)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
+        _count("all_gather", self._size, output)
         output.view(self._size, -1).copy_(input.reshape(1, -1).expand(self._size, -1))
         return _done(output)
 
@@ -99,6 +124,7 @@ class MirrorGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs, inputs, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        _count("reduce_scatter", self._size, inputs)
         for o, xs in zip(outputs, inputs):
             o.copy_(xs[self._rank])
             _reduce_(o, op, self._size)
@@ -106,6 +132,7 @@ class MirrorGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        _count("reduce_scatter", self._size, input)
         output.copy_(input.reshape(self._size, -1)[self._rank].view_as(output))
         _reduce_(output, op, self._size)
         return _done(output)
@@ -116,23 +143,27 @@ class MirrorGroup(dist.ProcessGroup):
         return _done(outputs)
 
     def gather(self, outputs, inputs, opts=None):
+        _count("gather", self._size, inputs)
         for outs, x in zip(outputs, inputs):
             for o in outs:
                 o.copy_(x)
         return _done(outputs)
 
     def scatter(self, outputs, inputs, opts=None):
+        _count("scatter", self._size, outputs)
         for o, xs in zip(outputs, inputs):
             if xs:
                 o.copy_(xs[self._rank])
         return _done(outputs)
 
     def alltoall(self, outputs, inputs, opts=None):
+        _count("all_to_all", self._size, inputs)
         for o in outputs:
             o.copy_(inputs[self._rank])
         return _done(outputs)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        _count("all_to_all", self._size, input)
         output.copy_(input)
         return _done(output)
 
@@ -141,6 +172,7 @@ class MirrorGroup(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        _count("reduce", self._size, tensors)
         for t in tensors:  # every rank gets the root's result: the same tensor either way
             _reduce_(t, op, self._size)
         return _done(tensors)

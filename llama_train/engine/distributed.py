@@ -59,6 +59,10 @@ def init_distributed(comm: Optional[CommConfig] = None, device_type: str = "cpu"
     if comm.simulate is not None:
         return _start_simulated(comm, device_type)
     backend = apply_env(comm, device_type)
+    if comm.count_traffic:  # before DeepSpeed's comm backend keeps references to the functions
+        from llama_train.comm import counting
+
+        counting.install()
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # the watchdog (started below) stops a job after comm.timeout_s without progress from a
@@ -239,6 +243,10 @@ def shutdown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     import importlib
+
+    from llama_train.comm import counting
+
+    counting.uninstall()  # comm.count_traffic's wrapper, a simulated rank's counter
 
     from deepspeed.utils import groups
 

@@ -95,11 +95,28 @@ def _zero_optimization(ds: DeepSpeedConfig, device_type: str, model_dim: int) ->
             reduce_scatter=True,
         )
         zero.pop("allgather_bucket_size")
+        zero.update(_zeropp_mics(ds))
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device_type == "cuda"}
     if ds.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": device_type == "cuda"}
     return zero
+
+
+def _zeropp_mics(ds: DeepSpeedConfig) -> Dict[str, Any]:
+    """ZeRO++ and MiCS keys of ``zero_optimization`` (the ZeRO++ tutorial's names), only those
+    that are on: a run without them gets the same JSON as before they existed. Their checks
+    against the job (stage, CUDA, group sizes per node) ran in config.validate."""
+    zpp, out = ds.zeropp, {}
+    if zpp.hpz_partition_size > 1:
+        out["zero_hpz_partition_size"] = int(zpp.hpz_partition_size)
+    if zpp.quantized_weights:
+        out["zero_quantized_weights"] = True
+    if zpp.quantized_gradients:
+        out["zero_quantized_gradients"] = True
+    if ds.mics_shard_size > 0:  # refused while DeepSpeed lacks MiCS (config.mics_unavailable)
+        out["mics_shard_size"] = int(ds.mics_shard_size)
+    return out
 
 
 def _adamw_params(ds: DeepSpeedConfig, optim: OptimConfig, device_type: str) -> Dict[str, Any]:

@@ -17,7 +17,9 @@ i.e. ``count_params(args)["total"]``.
 
 Modules: :mod:`.laws` (the loss law, published fits and frontiers, the inference-aware optimum),
 :mod:`.fit` (fitting our own sweeps), :mod:`.planners` (compute/inference-optimal, shapes,
-experiment plans), :mod:`.memory` (params, FLOPs, ZeRO and activation memory), :mod:`.cli`
+experiment plans), :mod:`.memory` (params, FLOPs, ZeRO and activation memory), :mod:`.traffic`
+(the collectives a rank runs per step), :mod:`.steptime` (a step-time model across nodes and
+``--recommend``), :mod:`.cli`
 (``llama-plan``; not imported here). The IsoFLOP plot is :func:`llama_train.scaling.plots.plot_isoflops`.
 """
 
@@ -30,6 +32,8 @@ from llama_train.scaling.laws import (APPROACH1, APPROACH2, CHINCHILLA, EPOCH, F
 from llama_train.scaling.memory import (ACTIVATION_FORMULA, activation_memory, model_info, model_memory,
                                         rank_peak_memory, deepspeed_estimate, fit_advice, RANK_PEAK_MECHANISMS,
                                         sequence_parallel_traffic)
+from llama_train.scaling.steptime import recommend, ring_time, step_time
+from llama_train.scaling.traffic import planned_traffic
 from llama_train.scaling.planners import (ExperimentPlan, FitSpec, compute_optimal, inference_optimal,
                                           plan_experiment, shape_for_params, target_aspect_ratio)
 
@@ -47,4 +51,6 @@ __all__ = [
     # memory
     "model_memory", "activation_memory", "model_info", "ACTIVATION_FORMULA", "rank_peak_memory",
     "deepspeed_estimate", "fit_advice", "RANK_PEAK_MECHANISMS", "sequence_parallel_traffic",
+    # traffic and step time
+    "planned_traffic", "step_time", "ring_time", "recommend",
 ]

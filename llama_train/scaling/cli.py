@@ -138,11 +138,26 @@ def _cmd_inference_optimal(ns: argparse.Namespace) -> Dict[str, Any]:
     return res
 
 
+# --json keys renamed without notice (issue 53 counted the model instead of building it on the
+# meta device): still written, with the same values as what replaced them, until removed
+DEPRECATED_KEYS = {
+    "meta_param_count": "params.total (the count no longer needs a meta-device build)",
+    "meta_build_seconds": "seconds model-info took to count the model from its shape (no model "
+                          "is built since issue 53); no replacement key",
+}
+
+
 def _cmd_model_info(ns: argparse.Namespace) -> Dict[str, Any]:
+    import time
+
+    t0 = time.perf_counter()
     res = model_info(ns.model, zero_stage=ns.zero_stage, world_size=ns.world_size, micro_batch=ns.micro_batch,
                      seq_len=ns.seq_len, offload_optimizer=ns.offload_optimizer,
                      checkpointing=True if ns.activation_checkpointing else None, attention=ns.attention,
                      sequence_parallel=ns.sequence_parallel, loss_chunk_tokens=ns.loss_chunk_tokens)
+    res["meta_param_count"] = res["params"]["total"]
+    res["meta_build_seconds"] = time.perf_counter() - t0
+    res["deprecated"] = dict(DEPRECATED_KEYS)
     if not ns.json:
         a, c = res["model_args"], res["params"]
         print(f"model {ns.model}: dim={a['dim']} n_layers={a['n_layers']} n_heads={a['n_heads']} "
@@ -175,7 +190,88 @@ def _cmd_model_info(ns: argparse.Namespace) -> Dict[str, Any]:
         print(f"per GPU (model states + activations): bf16 {_gib(res['per_gpu_total']['bf16'])}, "
               f"fp32 {_gib(res['per_gpu_total']['fp32'])}")
     _peak_and_advice(ns, res)
+    _traffic_and_step_time(ns, res)
+    if ns.recommend:
+        _recommend(ns, res)
     return res
+
+
+def _time_options(ns: argparse.Namespace) -> Dict[str, Any]:
+    from llama_train.scaling.steptime import DATASHEET_PEAK, MEASURED_MFU
+
+    return dict(gpus_per_node=ns.gpus_per_node, intra_node_gbytes=ns.intra_node_gbps,
+                inter_node_gbits=ns.inter_node_gbps,
+                peak_flops=(ns.peak_tflops * 1e12 if ns.peak_tflops else DATASHEET_PEAK[ns.gpu]),
+                mfu=ns.mfu if ns.mfu is not None else MEASURED_MFU[ns.efficiency],
+                grad_accum=ns.grad_accum, zero_overrides=_ds_zero(ns.ds_zero) or None)
+
+
+def _traffic_and_step_time(ns: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Planned bytes per collective kind and the step-time model (scaling.traffic, steptime):
+    ``traffic_bytes_per_step`` and ``step_time_s`` (overlap, no_overlap) in --json."""
+    from llama_train.scaling.steptime import step_time
+
+    if ns.zero_stage == 0:
+        return
+    extra = {k: v for k, v in (("hpz_partition_size", ns.hpz_partition_size),
+                                ("mics_shard_size", ns.mics_shard_size),
+                                ("quantized_weights", ns.quantized_weights),
+                                ("quantized_gradients", ns.quantized_gradients)) if v}
+    t = step_time(ns.model, world_size=ns.world_size, zero_stage=ns.zero_stage,
+                  micro_batch=ns.micro_batch, seq_len=ns.seq_len, dtype=ns.dtype,
+                  checkpointing=bool(ns.activation_checkpointing),
+                  sequence_parallel=ns.sequence_parallel, **_time_options(ns), **extra)
+    res["traffic_bytes_per_step"] = t["traffic_bytes_per_step"]
+    res["step_time_s"] = t["step_time_s"]
+    res["step_time"] = t
+    if ns.json:
+        return
+    st = t["settings"]
+    print(f"\ntraffic and step time per rank ({ns.world_size} ranks, {st['gpus_per_node']} per node; "
+          f"{st['intra_node_GBps']:g} GB/s within a node, {st['inter_node_Gbps']:g} Gb/s = "
+          f"{st['inter_node_GBps']:g} GB/s per GPU between nodes; a model, see docs/scale-out.md):")
+    rows = [[r["phase"], r["kind"], r["group_size"], _gib(r["bytes"]), f"{r['seconds'] * 1e3:.2f}",
+             r["what"]] for r in t["collectives"]]
+    print(_table(rows, ["phase", "collective", "ranks", "bytes", "ms", "what"]))
+    print("per kind: " + ", ".join(f"{k} {_gib(v)}" for k, v in t["traffic_bytes_per_step"].items())
+          + ("" if t["traffic_exact"] else " (hpZ/MiCS/qwZ/qgZ: planned from DeepSpeed's design, "
+             "not counted)"))
+    print(f"compute {t['compute_s']:.3f} s ({t['tokens_per_rank']:,.0f} tokens at "
+          f"{st['peak_flops'] / 1e12:g} TFLOP/s x MFU {st['mfu']:.3g}"
+          f"{', x4/3 recomputation' if st['checkpointing'] else ''}), collectives "
+          f"{t['comm_s']:.3f} s")
+    print(f"step time: {t['step_time_s']['overlap']:.3f} s with full overlap, "
+          f"{t['step_time_s']['no_overlap']:.3f} s with none -> MFU "
+          f"{100 * t['mfu']['no_overlap']:.1f}-{100 * t['mfu']['overlap']:.1f}%, "
+          f"{t['tokens_per_s_per_gpu']['no_overlap']:,.0f}-{t['tokens_per_s_per_gpu']['overlap']:,.0f} "
+          f"tok/s per GPU")
+
+
+def _recommend(ns: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """--recommend: ZeRO-2, ZeRO-3, hpZ, hpZ+qwZ+qgZ, MiCS, each with and without activation
+    checkpointing: which fits --gpu-mem (default 80 GiB) and has the fastest predicted step."""
+    from llama_train.scaling.steptime import recommend
+
+    mem = (ns.gpu_mem if ns.gpu_mem is not None else 80.0) * 2**30
+    opts = _time_options(ns)
+    opts.pop("gpus_per_node")
+    rec = recommend(ns.model, world_size=ns.world_size, gpu_mem_bytes=mem,
+                    gpus_per_node=ns.gpus_per_node, micro_batch=ns.micro_batch,
+                    seq_len=ns.seq_len, dtype=ns.dtype, sequence_parallel=ns.sequence_parallel,
+                    **opts)
+    res["recommend"] = rec
+    if ns.json:
+        return
+    rows = [[r["choice"], "on" if r["checkpointing"] else "off", _gib(r["peak_bytes"]),
+             "yes" if r["fits"] else "no", _gib(r["inter_node_bytes"]),
+             f"{r['step_time_s']['overlap']:.3f}-{r['step_time_s']['no_overlap']:.3f}",
+             f"{100 * r['mfu']['no_overlap']:.0f}-{100 * r['mfu']['overlap']:.0f}%"]
+            for r in rec["rows"]]
+    print(f"\nchoices for {ns.world_size} GPUs ({ns.gpus_per_node} per node), "
+          f"{mem / 2**30:g} GiB each:")
+    print(_table(rows, ["choice", "act. ckpt", "peak", "fits", "inter-node bytes", "step s",
+                        "MFU"]))
+    print(f"recommend: {rec['why']}")
 
 
 def _ds_zero(items: Sequence[str]) -> Dict[str, int]:
@@ -506,6 +602,32 @@ def _add_model_info(sub) -> None:
                    help="memory per rank: say whether the config fits and, if not, the cheapest change that does")
     p.add_argument("--ds-zero", action="append", default=[], metavar="KEY=N",
                    help="a DeepSpeed zero_optimization knob, e.g. stage3_max_reuse_distance=0 (repeatable)")
+    t = p.add_argument_group("traffic and step time (ZeRO 1-3; docs/scale-out.md)")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    t.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    t.add_argument("--intra-node-gbps", type=float, default=900.0, metavar="GBYTES",
+                   help="GPU-to-GPU bandwidth within a node in GB/s, gigaBYTES per second per GPU "
+                        "(default 900: H100/H200 NVLink 4, both directions)")
+    t.add_argument("--inter-node-gbps", type=float, default=400.0, metavar="GBITS",
+                   help="network bandwidth between nodes in Gb/s, gigaBITS per second per GPU, as "
+                        "NICs are sold (default 400: one 400G NIC per GPU = 50 GB/s)")
+    t.add_argument("--gpu", default="H100", choices=["H100", "H200", "A100", "L40S", "A10", "4090",
+                                                     "V100"],
+                   help="the datasheet dense bf16 peak of this GPU (default H100: 989 TFLOP/s)")
+    t.add_argument("--peak-tflops", type=float, default=None, help="a peak instead of --gpu's, TFLOP/s")
+    t.add_argument("--efficiency", default="eager", choices=["eager", "compiled"],
+                   help="the MFU our GPU check measured (eager 40.7%%, compiled 51.9%%, 1 x H200)")
+    t.add_argument("--mfu", type=float, default=None, help="a compute efficiency (0-1) instead")
+    t.add_argument("--hpz-partition-size", type=int, default=0, metavar="H",
+                   help="ZeRO++ hpZ: a secondary weight partition over H ranks (one node)")
+    t.add_argument("--mics-shard-size", type=int, default=0, metavar="M",
+                   help="MiCS: shard within groups of M ranks")
+    t.add_argument("--quantized-weights", action="store_true", help="ZeRO++ qwZ: int8 all-gathers")
+    t.add_argument("--quantized-gradients", action="store_true",
+                   help="ZeRO++ qgZ: int4 gradient all-to-alls instead of the reduce-scatter")
+    t.add_argument("--recommend", action="store_true",
+                   help="which of ZeRO-2, ZeRO-3, hpZ, hpZ+qwZ+qgZ, MiCS, with or without "
+                        "activation checkpointing, fits --gpu-mem (default 80 GiB) and is fastest")
     _common(p, fit=False)
     p.set_defaults(func=_cmd_model_info)
 
@@ -577,7 +699,15 @@ OPTIONS: Dict[str, Dict[str, Range]] = {
                          fix="leave it out for the model's max_seq_len"),
         "loss_chunk_tokens": Range(0, 2**24, integer=True, optional=True,
                                    fix="tokens per chunk of the loss, 0 for whole logits"),
-        "gpu_mem": Range(0, 2**20, lo_open=True, optional=True, fix="GiB per rank")},
+        "gpu_mem": Range(0, 2**20, lo_open=True, optional=True, fix="GiB per rank"),
+        "grad_accum": Range(1, 2**20, integer=True, fix="micro-batches per optimizer step"),
+        "gpus_per_node": Range(1, 1024, integer=True, fix="GPUs in one node"),
+        "intra_node_gbps": Range(0, 1e6, lo_open=True, fix="GB/s (gigabytes) per GPU"),
+        "inter_node_gbps": Range(0, 1e7, lo_open=True, fix="Gb/s (gigabits) per GPU"),
+        "peak_tflops": Range(0, 1e6, lo_open=True, optional=True, fix="TFLOP/s per GPU"),
+        "mfu": Range(0, 1, lo_open=True, optional=True, fix="a fraction, e.g. 0.4"),
+        "hpz_partition_size": Range(0, 2**24, integer=True, fix="ranks of hpZ's group, 0: off"),
+        "mics_shard_size": Range(0, 2**24, integer=True, fix="ranks of a MiCS shard group, 0: off")},
     "shape": {
         "params": Range(1, 1e15, fix="a parameter count, e.g. 1.3e9 or 1.3B"),
         "vocab": Range(1, 2**32, integer=True, fix="the vocabulary size"),

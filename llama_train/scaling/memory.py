@@ -47,6 +47,29 @@ def _check_zero(zero_stage: int, world_size: int, offload_optimizer: bool) -> No
         raise ScalingError("offload_optimizer needs ZeRO stage 1, 2 or 3 (DeepSpeed offloads the partitioned optimizer)")
 
 
+def _check_groups(zero_stage: int, world_size: int, hpz_partition_size: int,
+                  mics_shard_size: int) -> int:
+    """ZeRO++'s hpZ and MiCS group sizes (deepspeed.zeropp.hpz_partition_size,
+    deepspeed.mics_shard_size; 1 and 0: off); returns the ranks ZeRO-3 partitions the model
+    states over: MiCS's shard group, else all of them."""
+    for name, v, low in (("hpz_partition_size", hpz_partition_size, 1),
+                         ("mics_shard_size", mics_shard_size, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ScalingError(f"{name}={v!r} must be an integer >= {low} ({low}: off)")
+    on = [n for n, v in (("hpz_partition_size", hpz_partition_size > 1),
+                         ("mics_shard_size", mics_shard_size > 0)) if v]
+    if on and zero_stage != 3:
+        raise ScalingError(f"{on[0]} needs ZeRO stage 3 (hpZ and MiCS partition ZeRO-3's weights)")
+    if len(on) == 2:
+        raise ScalingError("hpz_partition_size and mics_shard_size together: DeepSpeed does not "
+                           "combine them; plan one")
+    for name, v in (("hpz_partition_size", hpz_partition_size), ("mics_shard_size", mics_shard_size)):
+        if v > 1 and world_size % v:
+            raise ScalingError(f"{name}={v} must divide world_size={world_size} (groups of {v} "
+                               f"consecutive ranks)")
+    return mics_shard_size if mics_shard_size > 0 else world_size
+
+
 def model_memory(
     args: Union["ModelArgs", str, Path],
     zero_stage: int = 0,
@@ -54,6 +77,9 @@ def model_memory(
     dtype: str = "bf16",
     offload_optimizer: bool = False,
     master_copy: Optional[bool] = None,
+    *,
+    hpz_partition_size: int = 1,
+    mics_shard_size: int = 0,
 ) -> Dict[str, Any]:
     """Model-state bytes held by ONE data-parallel rank (Rajbhandari et al. 2020, ZeRO §3).
 
@@ -69,6 +95,11 @@ def model_memory(
     moments) to host memory (ZeRO-Offload; stages 1-3). Buffers (gradient buckets, prefetch,
     allocator fragmentation) are not counted.
 
+    ZeRO-3 only: ``hpz_partition_size`` H > 1 (ZeRO++'s hpZ) adds the secondary copy of the
+    16-bit weights partitioned over H ranks (one node), p Ψ/H (``hpz_secondary_params``, in
+    ``total``); ``mics_shard_size`` M > 0 (MiCS) partitions params, grads and optimizer state
+    over M ranks instead of all N (each state / M; M must divide N).
+
     Returns bytes: params, grads, optimizer_states, total (device), cpu_optimizer_states, and a
     breakdown {master_params, exp_avg, exp_avg_sq} of optimizer_states, to compare with the
     engine's real optimizer tensors; plus n_params (Ψ) and the settings.
@@ -78,10 +109,10 @@ def model_memory(
     args = _resolve_args(args)
     p = _check_dtype(dtype)
     _check_zero(zero_stage, world_size, offload_optimizer)
+    n = _check_groups(zero_stage, world_size, hpz_partition_size, mics_shard_size)
     if master_copy is None:
         master_copy = p != 4 or zero_stage >= 1
     psi = count_params(args)["total"]
-    n = world_size
     master = 4.0 * psi if master_copy else 0.0
     moments = 8.0 * psi  # fp32 exp_avg + exp_avg_sq
     params = float(p * psi)
@@ -96,11 +127,13 @@ def model_memory(
     cpu = 0.0
     if offload_optimizer:
         cpu, optim = optim, 0.0
+    secondary = p * psi / hpz_partition_size if hpz_partition_size > 1 else 0.0
     return {
         "params": params,
         "grads": grads,
         "optimizer_states": optim,
-        "total": params + grads + optim,
+        "hpz_secondary_params": secondary,
+        "total": params + grads + optim + secondary,
         "cpu_optimizer_states": cpu,
         "breakdown": {"master_params": master, "exp_avg": moments / 2, "exp_avg_sq": moments / 2},
         "n_params": psi,
@@ -110,6 +143,8 @@ def model_memory(
         "dtype": dtype,
         "offload_optimizer": bool(offload_optimizer),
         "master_copy": bool(master_copy),
+        "hpz_partition_size": int(hpz_partition_size),
+        "mics_shard_size": int(mics_shard_size),
     }
 
 
@@ -256,17 +291,24 @@ def model_info(
     attention: str = "sdpa",
     sequence_parallel: int = 1,
     loss_chunk_tokens: Optional[int] = None,
+    hpz_partition_size: int = 1,
+    mics_shard_size: int = 0,
 ) -> Dict[str, Any]:
     """Params, FLOPs/token, model-state and activation memory, counted from the shape (no
     model is built); ``world_size`` counts every rank (ZeRO partitions over all of them),
     ``sequence_parallel`` how many share each sequence, ``loss_chunk_tokens`` overrides the
-    model's (:func:`activation_memory`)."""
+    model's (:func:`activation_memory`); ``hpz_partition_size`` and ``mics_shard_size``
+    (ZeRO-3: ZeRO++'s hpZ, MiCS; :func:`model_memory`) change ``model_state``, not
+    ``model_state_total_by_stage`` (plain ZeRO)."""
     from llama_train.model_args import count_params, flops_per_token
 
     args = _resolve_args(model)
     s = args.max_seq_len if seq_len is None else int(seq_len)
     counts = count_params(args)
-    states = {dt: model_memory(args, zero_stage, world_size, dt, offload_optimizer) for dt in ("bf16", "fp32")}
+    states = {dt: model_memory(args, zero_stage, world_size, dt, offload_optimizer,
+                               hpz_partition_size=hpz_partition_size,
+                               mics_shard_size=mics_shard_size)
+              for dt in ("bf16", "fp32")}
     by_stage = {
         str(z): {dt: model_memory(args, z, world_size, dt)["total"] for dt in ("bf16", "fp32")} for z in range(4)
     }
@@ -336,6 +378,12 @@ ZeRO-3     (stage3.py) bf16 partition p Psi/N, flat bf16 gradient partitions g P
 ZeRO-3     + offload_optimizer + offload_params: the same host-side tensors, plus the fp32
            gradient partition kept for the CPU Adam (4 Psi/N) instead of the step's transient;
            on a CPU rank host and device are one pool, so offload saves nothing there.
+ZeRO-3     + hpZ (deepspeed.zeropp.hpz_partition_size H): a second partition of the weights over
+           H ranks (partition_parameters.py _partition_param_sec), p Psi/H, cut by zero.Init and
+           again as forward releases each parameter, dropped after each step and save
+           (stage3.py invalidate_secondary_tensor): in every phase but the save.
+ZeRO-3     + MiCS (deepspeed.mics_shard_size M): the partitions above over M ranks, not N
+           (DeepSpeed <= 0.19.6 only; not measured here).
 """
 
 
@@ -356,6 +404,8 @@ def rank_peak_memory(
     gloo_copies: Optional[bool] = None,
     sequence_parallel: int = 1,
     loss_chunk_tokens: Optional[int] = None,
+    hpz_partition_size: Optional[int] = None,
+    mics_shard_size: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Peak bytes one data-parallel rank holds while it builds the model, initialises DeepSpeed
     and trains (model states + activations + DeepSpeed's own buffers and transients), from the
@@ -373,10 +423,22 @@ def rank_peak_memory(
     (``comm.simulate_ranks``), whose collectives are answered in place, has none. Returns bytes: ``total`` (the peak; on CPU host and device
     together), ``device`` and ``host`` at the peak, ``peak_phase``, ``phases`` {name: bytes},
     ``breakdown`` {term: bytes} of the peak phase, ``unpartitioned`` (the terms of the peak that do
-    not shrink with N), plus n_params and the settings."""
+    not shrink with N), plus n_params and the settings.
+
+    ZeRO-3 only (default: ``ds.zeropp.hpz_partition_size`` and ``ds.mics_shard_size``, else
+    off): ``hpz_partition_size`` H > 1 adds hpZ's secondary weight partition, p Psi/H, from
+    the build (zero.Init cuts it beside the primary one) through each step (DeepSpeed drops it
+    after the step and after a save, and cuts it again as forward releases each parameter);
+    ``mics_shard_size`` M partitions the model states over M ranks instead of N (not measured:
+    the installed DeepSpeed has no MiCS)."""
     args = _resolve_args(args)
     p = _check_dtype(dtype)
     _check_zero(zero_stage, world_size, offload_optimizer)
+    if hpz_partition_size is None:
+        hpz_partition_size = ds.zeropp.hpz_partition_size if ds is not None else 1
+    if mics_shard_size is None:
+        mics_shard_size = ds.mics_shard_size if ds is not None else 0
+    shard = _check_groups(zero_stage, world_size, hpz_partition_size, mics_shard_size)
     if offload_params and zero_stage != 3:
         raise ScalingError("offload_params needs ZeRO stage 3 (parameter offload exists only there)")
     if device not in ("cpu", "cuda"):
@@ -385,8 +447,11 @@ def rank_peak_memory(
     act = activation_memory(args, micro_batch, seq_len, dtype, activation_checkpointing, attention,
                             sequence_parallel, loss_chunk_tokens)
     acts = act["total"] + act["backward_transient"]  # backward's start (chunked: forward's end)
-    t = _rank_terms(args, p, world_size, sizes, acts, device == "cpu", offload_optimizer,
+    # MiCS: partitions and the reduce-scatter span the shard group (``shard``), not the world
+    t = _rank_terms(args, p, shard, sizes, acts, device == "cpu", offload_optimizer,
                     device == "cpu" if gloo_copies is None else gloo_copies)
+    if hpz_partition_size > 1:
+        t.hpz = p * t.psi / hpz_partition_size
     if zero_stage == 0:
         phases, unpart = _zero0_phases(t)
     elif zero_stage in (1, 2):
@@ -399,7 +464,9 @@ def rank_peak_memory(
         **peak,
         "n_params": t.psi,
         "bytes_per_param": peak["total"] / t.psi,
-        "zero_stage": zero_stage, "world_size": t.n, "dtype": dtype, "micro_batch": micro_batch,
+        "zero_stage": zero_stage, "world_size": world_size, "dtype": dtype,
+        "micro_batch": micro_batch,
+        "hpz_partition_size": int(hpz_partition_size), "mics_shard_size": int(mics_shard_size),
         "loss_chunk_tokens": act["loss_chunk_tokens"],
         "seq_len": acts and activation_memory(args, micro_batch, seq_len, dtype)["seq_len"],
         "offload_optimizer": bool(offload_optimizer), "offload_params": bool(offload_params),
@@ -429,6 +496,7 @@ class _RankTerms:
     sizes: Dict[str, int]
     offload_optimizer: bool
     gloo: bool = False  # gloo's own reduce-scatter / all-gather copies are counted
+    hpz: float = 0.0  # bytes of hpZ's secondary weight partition (ZeRO-3), p Psi / H
 
 
 def _zero_sizes(args: "ModelArgs", ds: Optional[Any],
@@ -569,9 +637,15 @@ def _zero3_phases(t: _RankTerms) -> Tuple[Phases, Set[str]]:
     if not t.offload_optimizer:
         step["step: flat + fp32 grads"] = (g + 4.0) * min(part, z["sub_group_size"])
     phases["step"] = step
+    if t.hpz:  # hpZ: cut at every partition (zero.Init's, forward's releases), dropped after the step
+        for terms in phases.values():
+            terms[HPZ_TERM] = t.hpz
     return phases, {"persistent params", "ipg bucket", "gathered params", "gathered param",
                     "fp32 init draw",
-                    "reduce-scatter copies", "activations"}
+                    "reduce-scatter copies", "activations", HPZ_TERM}
+
+
+HPZ_TERM = "hpZ secondary partition"
 
 
 def _checkpoint_phases(t: _RankTerms, zero_stage: int) -> Phases:
@@ -594,6 +668,8 @@ def _checkpoint_phases(t: _RankTerms, zero_stage: int) -> Phases:
         return {}
     states["ipg bucket"] = g * t.bucket  # allocated in initialize, resident from then on
     load = {**states, "optimizer file": 12.0 * part}
+    if zero_stage == 3 and t.hpz:  # a resume loads before the first step: still there
+        load[HPZ_TERM] = t.hpz
     if zero_stage in (1, 2):
         load["module state dict"] = p * t.psi
     return {"save": states, "load": load}

@@ -1,0 +1,241 @@
+"""Planned traffic: every collective one rank runs per optimizer step, from the model's shape.
+
+Plain Python (no torch, no DeepSpeed): the figures are DeepSpeed 0.19.8's, found by counting
+what a rank runs (:mod:`llama_train.comm.counting`: a simulated rank's ``MirrorGroup`` and a
+real 2- and 4-rank gloo launch), then written down here term by term; ``tests/test_traffic.py``
+checks the three agree byte for byte at ZeRO-1, 2 and 3, in fp32 and bf16, with gradient
+accumulation and with sequence parallelism.
+
+Conventions (the counter's): the bytes of a collective are those of the whole buffer it is
+about, ``S`` in the ring formulas (:mod:`llama_train.scaling.steptime`): an all-reduce's tensor,
+an all-gather's output, a reduce-scatter's input, an all-to-all's input. Phases: ``forward``,
+``backward`` (DeepSpeed's step between micro-batches included), ``step`` (after the last
+backward: our loss all-reduce and DeepSpeed's optimizer step).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
+
+from llama_train.scaling.laws import ScalingError
+from llama_train.scaling.memory import _check_dtype, _resolve_args, _zero_sizes, sequence_parallel_traffic
+
+if TYPE_CHECKING:
+    from llama_train.model_args import ModelArgs
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+PHASES = ("forward", "backward", "step")
+
+# The scalar all-reduces of each step, measured (tests/test_traffic.py counts them):
+LOSS_ALL_REDUCE = 3 * 8  # ours (TrainModule._all_ranks): loss sum, non-finite flag, stop flag, float64
+# DeepSpeed's optimizer step: two scalars (gradient norm, overflow), fp32 at ZeRO-1/2, 8 bytes each
+# at ZeRO-3; ZeRO-1/2 in bf16 add a one-byte flag
+DS_STEP_SCALARS = {1: [4, 4], 2: [4, 4], 3: [8, 8]}
+BF16_ZERO12_FLAG = 1
+ZERO12_ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor: a flat group pads to 2 N elements
+QUANT_GROUP = 2048  # elements per fp32 scale of ZeRO++'s int8/int4 blocks (an estimate: see below)
+
+FORMULA = """\
+Per rank and optimizer step; Psi params, N ranks (all of them: ZeRO partitions over the
+sequence-parallel ranks too), p bytes/element of the model dtype (bf16 2, fp32 4; gradients and
+their collectives in the same dtype), a = grad_accum micro-batches, pad_k(x) = ceil(x/k)*k.
+  ZeRO-1: backward  all_reduce(N)  Psi*p          once (at the last micro-batch)
+          step      all_gather(N)  sum over the 2 optimizer groups of pad_2N(group)*p
+  ZeRO-2: backward  all_reduce(N)  a*Psi*p        every micro-batch (DeepSpeed's buckets, whole)
+          step      all_gather(N)  as ZeRO-1
+  ZeRO-3: forward   all_gather(N)  a*sum pad_N(numel)*p over non-persistent params
+          backward  all_gather(N)  the same again (stage3_max_reuse_distance=0: all released)
+          backward  reduce_scatter(N) a*sum pad_N(numel)*p over all params
+          step      all_gather(N)  sum pad_N(numel)*p over persistent params (numel <= threshold)
+  every stage, step: all_reduce(N) 24 B (our loss) + DeepSpeed's scalars (4+4 B at ZeRO-1/2,
+          +1 B in bf16; 8+8 B at ZeRO-3)
+  sequence parallel s: all_to_all(s) a * scaling.sequence_parallel_traffic bytes, forward and
+          backward (and the recomputed forward with activation checkpointing)
+  hpZ h (not measured here: needs part 3's keys): the backward all-gather within h ranks
+  MiCS m (idem): all-gathers and reduce-scatter within m ranks, then an all_reduce over N/m
+          replicas of the Psi/m gradient shard once per step
+  qwZ (idem): all-gathers of int8 weights, 1 B/element + a 4 B scale per 2048 elements
+  qgZ (idem): the reduce-scatter becomes int4 all-to-alls, within the node (Psi/2 B) then
+          across nodes (Psi/(2G) B)"""
+
+
+def _pad(x: int, k: int) -> int:
+    return -(-x // k) * k
+
+
+def _decays(name: str, ndim: int, decay_embeddings: bool, decay_norms: bool) -> bool:
+    """:func:`llama_train.optim.decays` on a name and a rank (that module imports torch)."""
+    is_embedding = name.startswith("tok_embeddings.")
+    is_norm_or_bias = ndim < 2 or name.endswith(".bias") or "norm" in name.rsplit(".", 1)[0]
+    return not ((is_embedding and not decay_embeddings) or (is_norm_or_bias and not decay_norms))
+
+
+def optimizer_groups(args: "ModelArgs", decay_embeddings: bool = False,
+                     decay_norms_and_biases: bool = False) -> List[int]:
+    """Elements of our AdamW groups (:func:`llama_train.optim.param_groups`): decayed, then the
+    rest (if any). ZeRO-1/2 flatten and partition each separately."""
+    from llama_train.model_args import param_shapes
+
+    decay = rest = 0
+    for name, shape in param_shapes(args):
+        n = math.prod(shape)
+        if _decays(name, len(shape), decay_embeddings, decay_norms_and_biases):
+            decay += n
+        else:
+            rest += n
+    return [decay] + ([rest] if rest else [])
+
+
+def _row(rows: List[Dict[str, Any]], phase: str, kind: str, group: int, nbytes: float,
+         tensors: int, what: str, stride: int = 1) -> None:
+    """One planned collective; ``stride``: its ranks' distance (1: consecutive ranks; MiCS's
+    replica groups: the shard size), which places it on nodes (scaling.steptime)."""
+    if group > 1 and nbytes:
+        rows.append({"phase": phase, "kind": kind, "group_size": int(group),
+                     "bytes": int(round(nbytes)), "tensors": int(tensors), "what": what,
+                     "stride": int(stride)})
+
+
+def planned_traffic(
+    model: Union["ModelArgs", str, Path],
+    *,
+    world_size: int,
+    zero_stage: int,
+    dtype: str = "bf16",
+    grad_accum: int = 1,
+    micro_batch: int = 1,
+    seq_len: Optional[int] = None,
+    sequence_parallel: int = 1,
+    checkpointing: Optional[bool] = None,
+    ds: Optional[Any] = None,
+    zero_overrides: Optional[Dict[str, int]] = None,
+    decay_embeddings: bool = False,
+    decay_norms_and_biases: bool = False,
+    hpz_partition_size: int = 1,
+    mics_shard_size: int = 0,
+    quantized_weights: bool = False,
+    quantized_gradients: bool = False,
+    gpus_per_node: Optional[int] = None,
+) -> Dict[str, Any]:
+    """The collectives one rank of ``world_size`` runs per optimizer step (:data:`FORMULA`).
+
+    ``ds`` is our :class:`llama_train.config.DeepSpeedConfig` (its persistence threshold and
+    reuse distance; default: its defaults), ``zero_overrides`` as for
+    :func:`llama_train.scaling.memory.rank_peak_memory`. DeepSpeed's bucket sizes split the
+    collectives into calls but do not change their bytes, so only ZeRO-3's persistence
+    threshold (which parameters are never gathered) enters the bytes. ``hpz_partition_size``,
+    ``mics_shard_size``, ``quantized_weights`` and ``quantized_gradients`` (ZeRO++ and MiCS,
+    ZeRO-3 only) are planned from DeepSpeed's design, not measured (``exact`` is then False);
+    ``gpus_per_node`` places qgZ's two all-to-alls.
+
+    Returns ``collectives`` (rows: phase, kind, group_size, bytes, tensors, what),
+    ``bytes_per_kind``, ``bytes_per_phase``, ``total_bytes``, ``exact`` and the settings."""
+    args = _resolve_args(model)
+    p = _check_dtype(dtype)
+    n, a, sp = int(world_size), int(grad_accum), int(sequence_parallel)
+    if zero_stage not in (1, 2, 3):
+        raise ScalingError(f"zero_stage={zero_stage!r}: traffic is planned for ZeRO 1, 2 and 3")
+    if n < 1 or a < 1 or sp < 1 or n % sp:
+        raise ScalingError(f"world_size={world_size}, grad_accum={grad_accum}, sequence_parallel="
+                           f"{sequence_parallel}: positive integers, sequence_parallel dividing "
+                           f"world_size")
+    h, m = int(hpz_partition_size or 1), int(mics_shard_size or 0)
+    extras = h > 1 or m > 0 or quantized_weights or quantized_gradients
+    if extras and zero_stage != 3:
+        raise ScalingError("hpZ, MiCS, qwZ and qgZ partition ZeRO-3's weights: zero_stage=3")
+    for name, size in (("hpz_partition_size", h), ("mics_shard_size", m or 1)):
+        if size < 1 or n % size:
+            raise ScalingError(f"{name}={size} must divide world_size={n}")
+    if h > 1 and m:
+        raise ScalingError("hpZ and MiCS are alternatives: give one of hpz_partition_size, "
+                           "mics_shard_size")
+    g_node = int(gpus_per_node or n)
+    from llama_train.model_args import count_params, param_shapes
+
+    psi = count_params(args)["total"]
+    rows: List[Dict[str, Any]] = []
+    if zero_stage in (1, 2):
+        every = a if zero_stage == 2 else 1
+        _row(rows, "backward", "all_reduce", n, every * psi * p, every,
+             "gradients, whole, in reduce buckets" + (" every micro-batch" if every > 1 else ""))
+        groups = optimizer_groups(args, decay_embeddings, decay_norms_and_biases)
+        _row(rows, "step", "all_gather", n,
+             sum(_pad(k, ZERO12_ALIGNMENT * n) for k in groups) * p, len(groups),
+             f"updated weights: each optimizer group's flat buffer padded to "
+             f"{ZERO12_ALIGNMENT}N elements")
+        scalars = DS_STEP_SCALARS[zero_stage] + ([BF16_ZERO12_FLAG] if dtype == "bf16" else [])
+    else:
+        sizes = _zero_sizes(args, ds, zero_overrides)
+        threshold = sizes["stage3_param_persistence_threshold"]
+        shard = m or n  # MiCS partitions within m ranks, ZeRO-3 within all
+        numels = [math.prod(shape) for _, shape in param_shapes(args)]
+        gathered = [k for k in numels if k > threshold]
+        kept = [k for k in numels if k <= threshold]
+        gathered_elems = sum(_pad(k, shard) for k in gathered)
+        w_bytes = (gathered_elems * (1 + 4 / QUANT_GROUP) if quantized_weights
+                   else gathered_elems * p)
+        tag = " (int8 + scales)" if quantized_weights else ""
+        _row(rows, "forward", "all_gather", shard, a * w_bytes, a * len(gathered),
+             f"non-persistent weights, each padded to a multiple of {shard}{tag}")
+        _row(rows, "backward", "all_gather", h if h > 1 else shard, a * w_bytes,
+             a * len(gathered),
+             "the same again for the backward" + (f", from hpZ's secondary partition within "
+                                                   f"{h} ranks" if h > 1 else ""))
+        grad_elems = sum(_pad(k, shard) for k in numels)
+        if quantized_gradients:
+            intra = min(g_node, shard)
+            q = grad_elems * (0.5 + 4 / QUANT_GROUP)
+            _row(rows, "backward", "all_to_all", intra, a * q, a * len(numels),
+                 "qgZ: int4 gradients exchanged within the node")
+            _row(rows, "backward", "all_to_all", shard // intra, a * q / intra, a * len(numels),
+                 "qgZ: the node's reduced 1/G exchanged across nodes", stride=intra)
+        else:
+            _row(rows, "backward", "reduce_scatter", shard, a * grad_elems * p, a * len(numels),
+                 f"gradients, every parameter padded to a multiple of {shard}")
+        if m:
+            _row(rows, "step", "all_reduce", n // m, grad_elems / m * p, 1,
+                 f"MiCS: the gradient shard averaged over the {n // m} replicas", stride=m)
+        _row(rows, "step", "all_gather", shard, sum(_pad(k, shard) for k in kept) * p,
+             len(kept), f"updated persistent weights (numel <= {threshold})")
+        scalars = DS_STEP_SCALARS[3]
+    _row(rows, "step", "all_reduce", n, LOSS_ALL_REDUCE + sum(scalars), 1 + len(scalars),
+         "the loss, non-finite and stop flags (ours); DeepSpeed's norm and overflow scalars")
+    if sp > 1:
+        t = sequence_parallel_traffic(args, micro_batch=micro_batch, seq_len=seq_len,
+                                      sequence_parallel=sp, dtype=dtype,
+                                      checkpointing=checkpointing)
+        per_pass = t["bytes"] / t["passes"]
+        _row(rows, "forward", "all_to_all", sp, a * per_pass, a * t["calls"] // t["passes"],
+             "Ulysses: q, k, v and the attention output of every layer")
+        _row(rows, "backward", "all_to_all", sp, a * per_pass * (t["passes"] - 1),
+             a * t["calls"] * (t["passes"] - 1) // t["passes"],
+             "their gradients" + (" and the recomputed forward's" if t["passes"] == 3 else ""))
+    return {
+        "collectives": rows,
+        "bytes_per_kind": bytes_per(rows, "kind"),
+        "bytes_per_phase": bytes_per(rows, "phase"),
+        "total_bytes": sum(r["bytes"] for r in rows),
+        "exact": not extras,
+        "n_params": psi, "world_size": n, "zero_stage": zero_stage, "dtype": dtype,
+        "grad_accum": a, "sequence_parallel": sp, "hpz_partition_size": h,
+        "mics_shard_size": m, "quantized_weights": bool(quantized_weights),
+        "quantized_gradients": bool(quantized_gradients), "formula": FORMULA,
+    }
+
+
+def bytes_per(rows: List[Dict[str, Any]], key: str) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for r in rows:
+        out[r[key]] = out.get(r[key], 0) + int(r["bytes"])
+    return out
+
+
+def by_key(rows: List[Dict[str, Any]]) -> Dict[tuple, int]:
+    """(phase, kind, group_size) -> bytes: how planned and counted traffic are compared."""
+    out: Dict[tuple, int] = {}
+    for r in rows:
+        k = (r["phase"], r["kind"], int(r["group_size"]))
+        out[k] = out.get(k, 0) + int(r["bytes"])
+    return out
