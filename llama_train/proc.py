@@ -193,9 +193,11 @@ def _deepspeed_command(pid: int) -> Optional[str]:
 
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
     except OSError:
         return None
+    while argv and not argv[-1]:  # the terminating NUL; a rewritten title pads with more
+        argv.pop()
     for i, a in enumerate(argv):
         if os.path.basename(a) in ("deepspeed", "ds"):
             return shlex.join(["deepspeed", *argv[i + 1:]])

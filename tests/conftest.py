@@ -35,6 +35,9 @@ _SESSION_START = time.time()
 
 def pytest_configure(config):
     global _SESSION_CACHE
+    # the controller's, inherited by its xdist workers: what once_per_session builds is this
+    # session's, even in a LLAMA_TRAIN_CACHE that outlives it
+    os.environ.setdefault("LLAMA_TRAIN_TEST_SESSION", f"{os.getpid()}-{int(time.time())}")
     if "LLAMA_TRAIN_CACHE" not in os.environ:
         _SESSION_CACHE = tempfile.mkdtemp(prefix="llama_train_cache_")
         os.environ["LLAMA_TRAIN_CACHE"] = _SESSION_CACHE
@@ -76,25 +79,46 @@ def faults(monkeypatch):
     return set_faults
 
 
+def once_per_session(name: str, build) -> str:
+    """``build(dir)`` run once for the whole test session, whichever pytest-xdist worker asks
+    first; the others wait for it (a lock in the session's LLAMA_TRAIN_CACHE, which every worker
+    shares) and get the same directory. A build that failed is not reused: the next asker builds
+    afresh. Returns the directory."""
+    import fcntl
+
+    root = os.path.join(os.environ["LLAMA_TRAIN_CACHE"],
+                        f"session-runs-{os.environ['LLAMA_TRAIN_TEST_SESSION']}")
+    os.makedirs(root, exist_ok=True)
+    out = os.path.join(root, name)
+    with open(out + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not os.path.exists(out + ".done"):
+            shutil.rmtree(out, ignore_errors=True)
+            build(out)
+            open(out + ".done", "w").close()
+    return out
+
+
 @pytest.fixture(scope="session")
-def zero3_run(tmp_path_factory):
+def zero3_run():
     """ZeRO-3 on 2 ranks through the launcher (helpers.ZERO3): 6 steps, checkpoints at 2, 4
-    and 6. One run for two modules: test_launcher_runs.py compares its losses with ZeRO-0's,
-    test_zero3.py resumes, reshards and exports copies of it (one xdist worker runs both:
-    SAME_WORKER below). Read it, never write to it."""
+    and 6. One run for the session, whichever worker needs it first (once_per_session):
+    test_launcher_runs.py compares its losses with ZeRO-0's, test_zero3.py resumes, reshards and
+    exports copies of it, test_checkpoint_holes.py converts it to universal. Read it, never write
+    to it."""
+    from pathlib import Path
+
     from helpers import ZERO3, train
 
-    out = tmp_path_factory.mktemp("zero3_run") / "reference"
-    train(out, ZERO3)
-    return out
+    return Path(once_per_session("zero3_run", lambda out: train(Path(out), ZERO3)))
 
 
 # The files with the most launcher runs, longest first. `make test` runs the suite on three
 # pytest-xdist workers that take whole files (--dist loadfile) in collection order: starting
 # with these leaves the short files to fill the end, instead of one long file running alone.
 # That order holds only with --no-loadscope-reorder: by default xdist sends the files with the
-# most tests first. (SAME_WORKER's pair below is one unit, in test_zero3.py's place.)
-HEAVY_FIRST = ("test_zero3.py", "test_hang.py", "test_reliability.py", "test_launcher_runs.py",
+# most tests first.
+HEAVY_FIRST = ("test_docs_commands.py", "test_zero3.py", "test_hang.py", "test_reliability.py", "test_launcher_runs.py",
                "test_integrity.py", "test_mixture.py", "test_data_holes.py", "test_checkpoint.py",
                "test_bench.py", "test_scaling_study.py", "test_checkpoint_holes.py")
 
@@ -102,28 +126,6 @@ HEAVY_FIRST = ("test_zero3.py", "test_hang.py", "test_reliability.py", "test_lau
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within
-
-
-# Files that --dist loadfile sends to one worker as one unit: both use the session fixture
-# zero3_run (a launcher run), which each worker that runs one of them would compute again.
-SAME_WORKER = {"test_zero3.py": "zero3_run", "test_launcher_runs.py": "zero3_run"}
-
-
-@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown under -p no:xdist
-def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile with SAME_WORKER's files as one unit; every other file is its own, as
-    usual. (Not --dist loadgroup with an xdist_group mark per file: xdist 3.8 marks a group by
-    rewriting the test ids, which pytest 9.2 ignores, pytest-xdist issue 1386.)"""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class SharedFixtureFiles(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = super()._split_scope(nodeid)
-            return SAME_WORKER.get(path.rsplit("/", 1)[-1], path)
-
-    return SharedFixtureFiles(config, log)
 
 
 def pytest_unconfigure(config):

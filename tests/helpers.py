@@ -47,17 +47,52 @@ def launcher_cmd(overrides: List[str], nprocs: int = 2, port: Optional[int] = No
             *overrides]
 
 
+_WARM = None
+
+
+def warm_server():
+    """This test process's warm parent (tests/warm_ranks.py), started on first use; None when
+    LLAMA_TRAIN_TEST_WARM=0 (every command exec'd for real)."""
+    global _WARM
+    if os.environ.get("LLAMA_TRAIN_TEST_WARM", "1") == "0":
+        return None
+    if _WARM is None:
+        from warm_ranks import WarmServer
+
+        _WARM = WarmServer(_env(), str(REPO))
+    return _WARM
+
+
+def warm_server_job_type():
+    from warm_ranks import WarmJob
+
+    return WarmJob
+
+
+def start(cmd: List[str], log: Path, env: Optional[Dict[str, str]] = None, warm: bool = False):
+    """``cmd`` in a session of its own, stdout and stderr into ``log`` (truncated), stdin from
+    /dev/null. ``warm``: forked from the warm parent (tests/warm_ranks.py) where it can be,
+    the same command exec'd otherwise. Returns a ``Popen`` or the warm parent's job."""
+    full = _env(env)
+    if warm and warm_server() is not None:
+        Path(log).write_text("")
+        job = _WARM.start([str(c) for c in cmd], full, str(REPO), str(log))
+        if job is not None:
+            return job
+    with open(log, "w") as fh:
+        return subprocess.Popen(cmd, cwd=REPO, env=full, stdin=subprocess.DEVNULL, stdout=fh,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
 @contextmanager
-def spawn(cmd: List[str], log: Path, env: Optional[Dict[str, str]] = None):
-    """Start a process group; it is killed on exit whatever happens in the test."""
-    fh = open(log, "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(env), stdout=fh, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+def spawn(cmd: List[str], log: Path, env: Optional[Dict[str, str]] = None, warm: bool = False):
+    """Start a process group; it is killed on exit whatever happens in the test. ``warm``:
+    forked from the warm parent (:func:`start`); the launcher's own tests never ask for it."""
+    proc = start(cmd, log, env, warm)
     try:
         yield proc
     finally:
         kill_session(proc)
-        fh.close()
 
 
 def dump_stacks(proc: subprocess.Popen, wait_s: float = 3.0, gap_s: float = 0.5) -> int:
@@ -87,8 +122,9 @@ def dump_stacks(proc: subprocess.Popen, wait_s: float = 3.0, gap_s: float = 0.5)
     return asked
 
 
-def run(cmd: List[str], log: Path, timeout: float = 300, env=None, check: bool = True) -> int:
-    with spawn(cmd, log, env) as proc:
+def run(cmd: List[str], log: Path, timeout: float = 300, env=None, check: bool = True,
+        warm: bool = False) -> int:
+    with spawn(cmd, log, env, warm) as proc:
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -101,23 +137,30 @@ def run(cmd: List[str], log: Path, timeout: float = 300, env=None, check: bool =
     return rc
 
 
-def one_process(out: Path, overrides: List[str], log: Path, timeout: float = 300) -> int:
+def one_process(out: Path, overrides: List[str], log: Path, timeout: float = 300,
+                warm: bool = True) -> int:
     """Plain ``python -m llama_train.train`` with the tiny settings, no launcher: a world of one
-    (micro-batch 4 keeps the global batch of the launcher runs' 2 ranks x 2)."""
+    (micro-batch 4 keeps the global batch of the launcher runs' 2 ranks x 2). Forked from the
+    warm parent unless ``warm=False``."""
     cmd = [sys.executable, "-m", "llama_train.train", *TINY, f"trainer.output_dir={out}",
            "trainer.micro_batch=4", *overrides]
-    return run(cmd, log, timeout)
+    return run(cmd, log, timeout, warm=warm)
 
 
 def train(out: Path, overrides: List[str] = (), nprocs: int = 2, timeout: float = 300,
-          check: bool = True, env=None, log_name: str = "train.log") -> int:
+          check: bool = True, env=None, log_name: str = "train.log",
+          launcher: bool = False) -> int:
     """``deepspeed --num_gpus N --module llama_train.train`` with the tiny settings. Hydra's
-    options in ``overrides`` (``--multirun``) go first: Hydra reads none after an override."""
+    options in ``overrides`` (``--multirun``) go first: Hydra reads none after an override.
+    The command runs forked from the warm parent (DeepSpeed's runner and launcher deciding what
+    each rank gets: tests/warm_ranks.py); ``launcher=True``: exec'd for real, where the
+    launcher is what the test checks."""
     out.mkdir(parents=True, exist_ok=True)
     flags = [o for o in overrides if o.startswith("--")]
     rest = [o for o in overrides if not o.startswith("--")]
     cmd = launcher_cmd([*flags, *TINY, f"trainer.output_dir={out}", *rest], nprocs)
-    return run(cmd, out.parent / f"{out.name}-{log_name}", timeout, env, check)
+    return run(cmd, out.parent / f"{out.name}-{log_name}", timeout, env, check,
+               warm=not launcher)
 
 
 def tail(path: Path, n: int = 60) -> str:

@@ -1,0 +1,101 @@
+"""The warm parent's ranks (tests/warm_ranks.py) get exactly what the deepspeed launcher gives.
+
+Most multi-rank tests start their jobs forked from a warm parent (helpers.train). These tests
+run one probe both ways, through the real ``deepspeed`` command and forked, and compare what each
+rank received: its environment, sys.argv, sys.orig_argv, sys.executable, sys.path, working
+directory, its own, its launcher's and its runner's command lines, stdin, stdout's buffering, and
+what llama_train reads from them (under the launcher? the command to rerun). A rank that fails
+ends the job the same way: the same exit code, the other ranks stopped with SIGTERM."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import helpers
+from helpers import BIN, REPO, free_port
+
+pytestmark = pytest.mark.slow
+
+PROBE = "tests.workers.launch_probe"
+
+
+def probe(out, cmd, warm: bool, env=None):
+    out.mkdir()
+    env = {"LLAMA_TRAIN_PROBE_OUT": str(out), **(env or {})}
+    with helpers.spawn(cmd, out.parent / f"{out.name}.log", env, warm=warm) as proc:
+        if warm:  # really forked: no interpreter started for it
+            assert isinstance(proc, helpers.warm_server_job_type()), helpers.warm_server().why
+        rc = proc.wait(timeout=120)
+    records = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    signals = {p.stem: p.read_text() for p in out.glob("*.signal")}
+    return rc, records, signals, (out.parent / f"{out.name}.log").read_text()
+
+
+def launch(port: int, *args: str):
+    return [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), "--module",
+            PROBE, *args]
+
+
+def differences(real: dict, warm: dict) -> dict:
+    """Every field that differs (in env: every variable), but the probe's own output dir."""
+    real, warm = json.loads(json.dumps(real)), json.loads(json.dumps(warm))
+    for r in (real, warm):
+        r["env"].pop("LLAMA_TRAIN_PROBE_OUT")
+    keys = set(real) | set(warm)
+    out = {k: (real.get(k), warm.get(k)) for k in keys if real.get(k) != warm.get(k)}
+    if "env" in out:
+        r, w = out["env"]
+        out["env"] = {k: (r.get(k), w.get(k)) for k in set(r) | set(w) if r.get(k) != w.get(k)}
+    return out
+
+
+def test_a_forked_rank_gets_what_the_launcher_gives(tmp_path):
+    port = free_port()
+    args = ["model=tiny", "trainer.output_dir=/x y", "--flag"]
+    rc_real, real, _, log_real = probe(tmp_path / "real", launch(port, *args), warm=False)
+    rc_warm, warm, _, log_warm = probe(tmp_path / "warm", launch(port, *args), warm=True)
+    assert rc_real == rc_warm == 0, (log_real[-2000:], log_warm[-2000:])
+    assert sorted(real) == sorted(warm) == ["0", "1"]
+    for rank in real:
+        assert differences(real[rank], warm[rank]) == {}, rank
+    r = real["0"]  # what the comparison covers, as the launcher gives it
+    assert r["argv"][1:] == ["--local_rank=0", *args]
+    assert r["env"]["RANK"] == "0" and r["env"]["WORLD_SIZE"] == "2"
+    assert r["env"]["MASTER_PORT"] == str(port) and r["env"]["LOCAL_SIZE"] == "2"
+    assert "deepspeed.launcher.launch" in r["parent"]
+    assert r["under_launcher"] and r["job_command"].startswith("deepspeed --num_gpus 2")
+
+
+def test_a_failing_rank_ends_the_job_as_the_launcher_ends_it(tmp_path):
+    port = free_port()
+    env = {"LLAMA_TRAIN_PROBE_EXIT": "1:3"}
+    real = probe(tmp_path / "real", launch(port), warm=False, env=env)
+    warm = probe(tmp_path / "warm", launch(port), warm=True, env=env)
+    assert real[0] == warm[0] == 3, (real[3][-2000:], warm[3][-2000:])
+    assert real[2] == warm[2] == {"0": "SIGTERM"}
+
+
+def test_a_plain_python_m_command_is_forked_as_exec_would_run_it(tmp_path):
+    cmd = [sys.executable, "-m", PROBE, "a", "b c"]
+    rc_real, real, _, _ = probe(tmp_path / "real", cmd, warm=False)
+    rc_warm, warm, _, _ = probe(tmp_path / "warm", cmd, warm=True)
+    assert rc_real == rc_warm == 0
+    # its parent is whoever started it: this test process, or the warm parent; llama_train
+    # reads a parent's command line only to tell a launcher, which under_launcher compares
+    assert set(differences(real["solo"], warm["solo"])) <= {"parent", "grandparent"}
+    assert real["solo"]["argv"][1:] == ["a", "b c"] and not real["solo"]["under_launcher"]
+
+
+def test_a_job_whose_environment_an_import_may_read_is_exec_d(tmp_path):
+    """A variable an import may have read (not one of warm_ranks.RUNTIME_VARS) set otherwise
+    than in the warm parent: the command is exec'd for real, not forked."""
+    cmd = [sys.executable, "-m", PROBE]
+    out = tmp_path / "p"
+    out.mkdir()
+    env = {"LLAMA_TRAIN_PROBE_OUT": str(out), "OMP_NUM_THREADS": "2"}
+    with helpers.spawn(cmd, tmp_path / "p.log", env, warm=True) as proc:
+        assert isinstance(proc, subprocess.Popen)
+        assert proc.wait(timeout=60) == 0
+    assert json.loads((out / "solo.json").read_text())["env"]["OMP_NUM_THREADS"] == "2"
