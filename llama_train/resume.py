@@ -77,6 +77,13 @@ def keys_with(mark: str) -> List[str]:
     return [k for k in config_keys() if policy_of(k) == mark]
 
 
+def _same(old, new) -> bool:
+    """Equal, or a YAML boolean saved before its key took strings (trainer.compile: false ->
+    "false", issue 55) spelling the same choice."""
+    return old == new or (isinstance(old, bool) and isinstance(new, str)
+                          and str(old).lower() == new.lower())
+
+
 def config_changes(saved: dict, current: dict) -> Tuple[List[Change], List[Change]]:
     """(run-defining, may-change) differences between a checkpoint's config and this run's.
     Keys the checkpoint does not have (it predates them) and per-launch keys are not compared."""
@@ -84,7 +91,7 @@ def config_changes(saved: dict, current: dict) -> Tuple[List[Change], List[Chang
     defining: List[Change] = []
     safe: List[Change] = []
     for key in sorted(new):
-        if key not in old or old[key] == new[key]:
+        if key not in old or _same(old[key], new[key]):
             continue
         mark = policy_of(key)
         if mark == policy.PER_LAUNCH:

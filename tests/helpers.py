@@ -56,10 +56,17 @@ def warm_server():
     global _WARM
     if os.environ.get("LLAMA_TRAIN_TEST_WARM", "1") == "0":
         return None
-    if _WARM is None:
-        from warm_ranks import WarmServer
+    from warm_ranks import RUNTIME_VARS, WarmServer
 
-        _WARM = WarmServer(_env(), str(REPO))
+    env = _env()
+    if _WARM is not None and any(_WARM.env.get(k) != env.get(k) for k in set(_WARM.env) | set(env)
+                                 if k not in RUNTIME_VARS):
+        # this process's environment moved since the parent started (an import here set a
+        # variable: lm_eval sets HF_XET_HIGH_PERFORMANCE): what a launch gets now, a parent now
+        _WARM.retire()
+        _WARM = None
+    if _WARM is None:
+        _WARM = WarmServer(env, str(REPO))
     return _WARM
 
 

@@ -188,6 +188,19 @@ def test_config_changes_classifies_keys():
                                        "trainer.max_steps", "trainer.micro_batch"]
 
 
+def test_a_saved_boolean_compile_is_the_same_choice_as_its_string():
+    """trainer.compile took strings in issue 55 (auto/true/false): a checkpoint's saved
+    ``compile: false`` is no change against ``"false"``, and is one against ``"auto"``."""
+    from llama_train.resume import config_changes
+
+    old = {"trainer": {"compile": False}}
+    assert config_changes(old, {"trainer": {"compile": "false"}}) == ([], [])
+    assert config_changes({"trainer": {"compile": True}}, {"trainer": {"compile": "true"}}) \
+        == ([], [])
+    assert config_changes(old, {"trainer": {"compile": "auto"}})[1] == \
+        [("trainer.compile", False, "auto")]
+
+
 # ------------------------------------------------------------------------------------------------
 # item 4: the lock, in this process
 

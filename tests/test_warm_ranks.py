@@ -99,3 +99,15 @@ def test_a_job_whose_environment_an_import_may_read_is_exec_d(tmp_path):
         assert isinstance(proc, subprocess.Popen)
         assert proc.wait(timeout=60) == 0
     assert json.loads((out / "solo.json").read_text())["env"]["OMP_NUM_THREADS"] == "2"
+
+
+def test_a_variable_this_process_set_since_is_in_a_new_warm_parent(tmp_path, monkeypatch):
+    """An import in the test process sets a variable every later launch gets (lm_eval sets
+    HF_XET_HIGH_PERFORMANCE): the next launch comes from a warm parent started with it, forked,
+    not exec'd, and its rank sees it."""
+    cmd = [sys.executable, "-m", PROBE]
+    first = helpers.warm_server()
+    monkeypatch.setenv("LLAMA_TRAIN_TEST_DRIFT", "1")
+    _, records, _, _ = probe(tmp_path / "p", cmd, warm=True)
+    assert helpers.warm_server() is not first
+    assert records["solo"]["env"]["LLAMA_TRAIN_TEST_DRIFT"] == "1"

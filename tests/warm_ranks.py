@@ -357,9 +357,9 @@ def serve() -> None:
         os.write(out, (json.dumps(msg) + "\n").encode())
 
     reply({"ready": threads == 1, "threads": threads})
-    buf, jobs = b"", set()
-    while True:
-        ready, _, _ = select.select([0], [], [], 0.02)
+    buf, jobs, closed = b"", set(), False
+    while not closed or jobs:  # stdin closed: no more requests; the jobs running still reported
+        ready, _, _ = select.select([] if closed else [0], [], [], 0.02)
         while jobs:  # reap ours
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -374,7 +374,8 @@ def serve() -> None:
             continue
         chunk = os.read(0, 65536)
         if not chunk:
-            return
+            closed = True
+            continue
         buf += chunk
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
@@ -504,9 +505,17 @@ class WarmServer:
             return None
         return WarmJob(self, msg["pid"], req["cmd"])
 
-    def close(self) -> None:
+    def retire(self) -> None:
+        """No more commands; it ends once those it runs have ended (their codes still come)."""
+        self.usable = False
         try:
             self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.retire()
+        try:
             self.proc.wait(timeout=10)
         except Exception:  # noqa: BLE001
             self.proc.kill()
