@@ -8,6 +8,7 @@ what llama_train reads from them (under the launcher? the command to rerun). A r
 ends the job the same way: the same exit code, the other ranks stopped with SIGTERM."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -16,7 +17,9 @@ import pytest
 import helpers
 from helpers import BIN, REPO, free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    os.environ.get("LLAMA_TRAIN_TEST_WARM", "1") == "0",
+    reason="LLAMA_TRAIN_TEST_WARM=0: every command is exec'd, no warm parent to compare")]
 
 PROBE = "tests.workers.launch_probe"
 
