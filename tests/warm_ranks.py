@@ -257,7 +257,21 @@ def _fd(stream) -> Optional[int]:
     return stream if isinstance(stream, int) else stream.fileno()
 
 
-class ForkedPopen:
+class _Signals:
+    """``Popen``'s signalling, for a process whose ``pid`` and ``returncode`` the subclass has."""
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedPopen(_Signals):
     """``subprocess.Popen`` for DeepSpeed's runner and launcher: a ``python -u -m MOD`` command
     whose environment the warm interpreter can run is forked, anything else started by the real
     ``Popen``. Has what the runner and the launcher use: pid, poll, wait, returncode,
@@ -305,15 +319,6 @@ class ForkedPopen:
             time.sleep(0.01)
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 _REAL_POPEN = subprocess.Popen
@@ -419,7 +424,7 @@ def _start(req: dict, how: dict) -> int:
 
 # --------------------------------------------------------------------------- in the test process
 
-class WarmJob:
+class WarmJob(_Signals):
     """A command the warm parent forked, with the ``subprocess.Popen`` interface the tests use
     (pid, poll, wait, returncode, send_signal, terminate, kill). Its process is the warm
     parent's child, not ours: its exit code comes from the parent."""
@@ -443,15 +448,6 @@ class WarmJob:
             raise RuntimeError(f"the warm parent died before {self.args[:4]} ended")
         return self.server.rc[self.pid]
 
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 class WarmServer:
