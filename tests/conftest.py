@@ -141,3 +141,45 @@ def pytest_unconfigure(config):
                 os.unlink(path)
         except OSError:
             pass
+
+
+def _tree_cpu() -> float:
+    """CPU seconds of this process, every child it has reaped, and every live descendant with
+    what each of those has reaped: a process that ends inside the tree moves from its own count
+    into its parent's, so a difference of two readings is what the tree spent in between."""
+    t = os.times()
+    total = t.user + t.system + t.children_user + t.children_system
+    tick = os.sysconf("SC_CLK_TCK")
+    kids, me = {}, os.getpid()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        kids.setdefault(int(fields[1]), []).append((int(pid), fields))
+    todo = [me]
+    while todo:
+        for pid, fields in kids.get(todo.pop(), ()):
+            total += sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
+            todo.append(pid)
+    return total
+
+
+if os.environ.get("LLAMA_TRAIN_TEST_CPU"):
+    # LLAMA_TRAIN_TEST_CPU=FILE: one JSON line per test with the CPU seconds its process tree
+    # spent (module fixtures count in the first test that needs them) and its wall seconds, to
+    # find where `make test`'s CPU goes (issue 56).
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        import json
+
+        cpu, wall = _tree_cpu(), time.time()
+        yield
+        row = {"test": item.nodeid, "cpu_s": round(_tree_cpu() - cpu, 2),
+               "wall_s": round(time.time() - wall, 2),
+               "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
+        with open(os.environ["LLAMA_TRAIN_TEST_CPU"], "a") as f:
+            f.write(json.dumps(row) + "\n")
