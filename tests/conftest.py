@@ -23,6 +23,11 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # before torch's first import (none comes earlier)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# torch.compile's kernels built in the compiling process: by default inductor starts a pool of
+# compile workers (each a fresh interpreter importing torch) in every rank that compiles, for the
+# few small kernels of the tiny model (tests/test_compile.py's ZeRO-3 test: 107.5 CPU-s with the
+# pool, 100.8 without). Read when torch._inductor.config is imported: before torch is.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -71,6 +71,8 @@ RUNTIME_VARS = frozenset({
     "WANDB_ENTITY", "WANDB_API_KEY", "WANDB_SILENT", "WANDB_RUN_ID", "WANDB_RESUME",
     "LLAMA_TRAIN_PROBE_OUT", "LLAMA_TRAIN_PROBE_EXIT", "PYTEST_CURRENT_TEST",
     "PATH", "T",  # tests/test_docs_commands.py: the venv first on PATH, its tiny arguments
+    # read when used, not on import: torch._inductor's cache_dir(), llama_train.paths.cache_dir()
+    "TORCHINDUCTOR_CACHE_DIR", "LLAMA_TRAIN_CACHE",
 })
 
 PAD = 32768  # bytes of command line a forked process can write its own over
