@@ -21,11 +21,8 @@ from llama_train.bounds import INT32_MAX, INT64_MAX, SEED_MAX, SIMULATE_MAX_RANK
 from llama_train.comm import CommConfig
 from llama_train.policy import may_change, per_launch
 from llama_train.data.config import DataConfig
+from llama_train.errors import ConfigError  # defined there, exported here as always
 from llama_train.model_args import ModelArgs
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the key and the fix."""
 
 
 def _check_ranges(section: str, obj: Any, ranges: Dict[str, Range]) -> None:

@@ -52,6 +52,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Set
 
+from llama_train.errors import BadInput
 from llama_train.hooks import Hook
 
 ENV = "LLAMA_TRAIN_FAULTS"
@@ -59,7 +60,7 @@ KINDS = ("nan", "loss_scale", "exit", "hang", "save_error", "nan_weights", "conv
          "slow_save", "worker_kill")
 
 
-class FaultSpecError(ValueError):
+class FaultSpecError(BadInput):
     """A malformed LLAMA_TRAIN_FAULTS value."""
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 from llama_train.bounds import INT32_MAX, SEED_MAX, Range, check_options
+from llama_train.errors import BadInput
 
 EXIT_BAD_INPUT, EXIT_UNLOADABLE = 2, 3
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -65,7 +66,7 @@ def _read_weights(path: Path, tokenizer: Optional[str]):
     if (path / "config.json").is_file():  # a Hugging Face directory
         try:
             args, sd = import_hf(path)
-        except ValueError as e:
+        except BadInput as e:  # WeightsError; ModelArgs' ConfigError (config.json's values)
             raise GenerateError(f"{path} cannot be read: {e}") from None
         from llama_train.data.tokenizer import tokenizer_file_in
 
@@ -158,7 +159,7 @@ def complete(loaded: Loaded, prompts: Sequence[str], max_new_tokens: int,
         with torch.inference_mode():
             out = model.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
                                  top_k=top_k, top_p=top_p, eos_id=eos, generator=gen)
-    except ValueError as e:  # prompt + max_new_tokens > max_seq_len
+    except BadInput as e:  # prompt + max_new_tokens > max_seq_len
         raise GenerateError(str(e), EXIT_BAD_INPUT) from None
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -27,7 +27,9 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
+from llama_train.data.errors import DataError
 from llama_train.data.tokenizer import EXPORT_KEY  # light: no tokenizer library imported
+from llama_train.errors import BadInput
 from llama_train.model import ModelArgs, ffn_hidden_dim
 from llama_train.weights import (REQUANT_FIX, WeightsError, check_finite, check_state_dict,
                                check_tensors)
@@ -125,27 +127,43 @@ def _hf_rope_scaling(args: ModelArgs) -> Optional[dict]:
     return out
 
 
+class NotALlamaModel(WeightsError):
+    """A file or directory that is not a Hugging Face Llama model this code reads (no
+    config.json, not JSON, another architecture or RoPE, no safetensors, tensors of another
+    model): bad input, as any WeightsError; ``trainer.init_from`` answers it with what it
+    accepts (:func:`read_init_from`)."""
+
+
+def _number(key: str, value: Any) -> float:
+    """A number of a config.json (``float(value)``): NotALlamaModel naming the key where it is
+    none, as for every other refusal of the file."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise NotALlamaModel(f"HF config {key}={value!r} is not a number") from None
+
+
 def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, dict]:
     """(rope_theta, our rope_scaling dict) from a config.json of transformers 4 or 5; refuses RoPE
     types this model does not implement (dynamic, yarn, longrope ...) instead of importing a model
     that would compute something else."""
     rope = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or rope)
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = _number("rope_theta", rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return theta, {}
     if kind not in ("linear", "llama3"):
-        raise ValueError(f"HF config uses RoPE scaling of type {kind!r} ({scaling}); this model "
-                         f"implements default, linear and llama3 (model.rope_scaling.type)")
-    extra = float(scaling.get("attention_factor") or 1.0)
+        raise NotALlamaModel(f"HF config uses RoPE scaling of type {kind!r} ({scaling}); this model "
+                             f"implements default, linear and llama3 (model.rope_scaling.type)")
+    extra = _number("rope_scaling.attention_factor", scaling.get("attention_factor") or 1.0)
     if extra != 1.0:
-        raise ValueError(f"HF config rope attention_factor={extra} is not supported (only 1.0)")
-    out = {"type": kind, "factor": float(scaling.get("factor", 1.0))}
+        raise NotALlamaModel(f"HF config rope attention_factor={extra} is not supported (only 1.0)")
+    out = {"type": kind, "factor": _number("rope_scaling.factor", scaling.get("factor", 1.0))}
     if kind == "llama3":
         missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling]
         if missing:
-            raise ValueError(f"HF config's llama3 RoPE scaling lacks {', '.join(missing)}: {scaling}")
+            raise NotALlamaModel(f"HF config's llama3 RoPE scaling lacks {', '.join(missing)}: {scaling}")
         out.update({k: scaling[k] for k in _LLAMA3_ROPE_KEYS})
     return theta, out
 
@@ -184,31 +202,31 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
     """ModelArgs from a Llama config.json dict; rejects features this model does not implement."""
     def need(key: str) -> Any:
         if key not in cfg or cfg[key] is None:
-            raise ValueError(f"HF config lacks {key!r}: not a Llama config.json?")
+            raise NotALlamaModel(f"HF config lacks {key!r}: not a Llama config.json?")
         return cfg[key]
 
     model_type = cfg.get("model_type", "llama")
     if model_type != "llama":
-        raise ValueError(f"HF config model_type={model_type!r}: only 'llama' checkpoints can be imported")
+        raise NotALlamaModel(f"HF config model_type={model_type!r}: only 'llama' checkpoints can be imported")
     for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if key in cfg and cfg[key] != ok:
-            raise ValueError(f"HF config {key}={cfg[key]!r} is not supported (this model needs {ok!r})")
+            raise NotALlamaModel(f"HF config {key}={cfg[key]!r} is not supported (this model needs {ok!r})")
     theta, rope_scaling = _rope_from_hf(cfg)
 
     dim, n_heads = need("hidden_size"), need("num_attention_heads")
     head_dim = cfg.get("head_dim")
     if head_dim is not None and n_heads * head_dim != dim:
-        raise ValueError(f"HF config head_dim={head_dim} != hidden_size/num_attention_heads="
-                         f"{dim}/{n_heads}: decoupled head sizes are not supported")
+        raise NotALlamaModel(f"HF config head_dim={head_dim} != hidden_size/num_attention_heads="
+                             f"{dim}/{n_heads}: decoupled head sizes are not supported")
     kv = cfg.get("num_key_value_heads") or n_heads
     multiple_of, mult = _ffn_settings(dim, need("intermediate_size"))
     return ModelArgs(
         dim=dim, n_layers=need("num_hidden_layers"), n_heads=n_heads, n_kv_heads=None if kv == n_heads else kv,
         vocab_size=need("vocab_size"), multiple_of=multiple_of, ffn_dim_multiplier=mult,
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=rope_scaling,
+        norm_eps=_number("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=rope_scaling,
         max_seq_len=cfg.get("max_position_embeddings", 2048),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        init_std=float(cfg.get("initializer_range", 0.02)),
+        init_std=_number("initializer_range", cfg.get("initializer_range", 0.02)),
     )
 
 
@@ -241,7 +259,7 @@ def _check_keys(have: set, want: set, what: str) -> None:
         hint = ""
         if any(k.startswith(("module.", "_orig_mod.")) for k in unexpected):
             hint = " (keys carry a wrapper prefix: save the unwrapped model's state_dict)"
-        raise ValueError(f"{what} does not match the model args: " + "; ".join(parts) + hint)
+        raise WeightsError(f"{what} does not match the model args: " + "; ".join(parts) + hint)
 
 
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -328,7 +346,7 @@ def _write_tokenizer(tokenizer_model: Path, out_dir: Path, info: dict, max_len: 
     shutil.copyfile(tokenizer_model, out_dir / "tokenizer.model")
     special = {k: info[f"{k}_token"] for k in ("bos", "eos", "unk", "pad") if info[f"{k}_token"] is not None}
     if add_bos and info["bos_id"] is None:
-        raise ValueError(f"the model was trained with a BOS token but {tokenizer_model} has none")
+        raise DataError(f"the model was trained with a BOS token but {tokenizer_model} has none")
     cfg = {
         "tokenizer_class": "LlamaTokenizer",
         "add_bos_token": add_bos,
@@ -370,7 +388,7 @@ def _write_hf_tokenizer(tok, out_dir: Path, info: dict, max_len: int, add_bos: b
     from tokenizers import processors
 
     if add_bos and info["bos_id"] is None:
-        raise ValueError(f"the model was trained with a BOS token but {tok.path} has none")
+        raise DataError(f"the model was trained with a BOS token but {tok.path} has none")
     data = Path(tok.path).read_bytes()
     probe = HFTokenizer.from_str(data.decode("utf-8"))
     probe.no_padding()
@@ -476,13 +494,13 @@ def export_hf(args: ModelArgs, state_dict: Mapping[str, torch.Tensor], out_dir: 
 
         tokenizer_model = Path(tokenizer_model)
         if not tokenizer_model.is_file():
-            raise ValueError(f"tokenizer_model {str(tokenizer_model)!r} does not exist")
-        tok = Tokenizer(tokenizer_model)  # DataError, a ValueError: not a tokenizer
+            raise DataError(f"tokenizer_model {str(tokenizer_model)!r} does not exist")
+        tok = Tokenizer(tokenizer_model)  # DataError (bad input): not a tokenizer
         info = (_sentencepiece_info(tokenizer_model) if tok.kind == SENTENCEPIECE
                 else _hf_info(tok))
         if info["vocab_size"] > args.vocab_size:
-            raise ValueError(f"tokenizer {tokenizer_model} has {info['vocab_size']} pieces but "
-                             f"model.vocab_size={args.vocab_size}: export the matching tokenizer")
+            raise WeightsError(f"tokenizer {tokenizer_model} has {info['vocab_size']} pieces but "
+                               f"model.vocab_size={args.vocab_size}: export the matching tokenizer")
 
     hf_sd = {k: v.detach().to(device="cpu", dtype=dtype).contiguous()
              for k, v in sorted(to_hf_state_dict(state_dict, args).items())}
@@ -618,14 +636,14 @@ def _read_hf_dir(d: Path) -> tuple[ModelArgs, dict[str, Path], dict]:
     loaded."""
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
-        raise ValueError(f"{cfg_path} does not exist: pass a Hugging Face model directory")
+        raise NotALlamaModel(f"{cfg_path} does not exist: pass a Hugging Face model directory")
     _inside(d, "config.json", str(d))
     try:
         hf_cfg = json.loads(cfg_path.read_text())
     except ValueError as e:  # not JSON, not UTF-8
-        raise ValueError(f"{cfg_path} is not a JSON config ({e})") from None
+        raise NotALlamaModel(f"{cfg_path} is not a JSON config ({e})") from None
     if not isinstance(hf_cfg, dict):
-        raise ValueError(f"{cfg_path} holds a JSON {type(hf_cfg).__name__}, not a config object")
+        raise NotALlamaModel(f"{cfg_path} holds a JSON {type(hf_cfg).__name__}, not a config object")
     quant = hf_cfg.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
@@ -650,8 +668,8 @@ def _read_hf_dir(d: Path) -> tuple[ModelArgs, dict[str, Path], dict]:
     elif (d / "model.safetensors").is_file():
         weight_map, files = {}, {"model.safetensors": _inside(d, "model.safetensors", str(d))}
     else:
-        raise ValueError(f"no model.safetensors or model.safetensors.index.json in {d}: only safetensors "
-                         "weights are read (re-save with save_pretrained(safe_serialization=True))")
+        raise NotALlamaModel(f"no model.safetensors or model.safetensors.index.json in {d}: only safetensors "
+                             "weights are read (re-save with save_pretrained(safe_serialization=True))")
     owner: dict[str, Path] = {}
     found: dict[str, tuple[str, tuple[int, ...], str]] = {}
     for path in sorted(set(files.values())):
@@ -707,8 +725,8 @@ def import_hf(hf_dir: PathLike) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
             sd.update(load_file(str(f)))
         except Exception as e:  # noqa: BLE001 - safetensors' own error type, OSError, ...
             first = (str(e).strip().splitlines() or [""])[0][:300]
-            raise ValueError(f"{f} cannot be read as safetensors "
-                             f"({type(e).__name__}: {first})") from None
+            raise NotALlamaModel(f"{f} cannot be read as safetensors "
+                                 f"({type(e).__name__}: {first})") from None
     check_finite(sd, {n: str(f) for n, f in owner.items()})
     return args, from_hf_state_dict(sd, args)
 
@@ -757,11 +775,14 @@ def read_init_from(path: str, with_weights: bool, checked: bool = True):
             check_state_dict(sd, args, str(p), config=f"{p}'s model_args",  # value when used
                              finite=with_weights)
         return args, (sd if with_weights else None)
-    except WeightsError as e:  # llama-import's file, but not weights to train or decode
-        raise ConfigError(f"trainer.init_from={path}: {e}") from None
+    except WeightsError as e:
+        if not isinstance(e, NotALlamaModel):  # a model, but not weights to train or decode
+            raise ConfigError(f"trainer.init_from={path}: {e}") from None
+        cause: Exception = e  # not a model this code reads: say what init_from accepts
     except Exception as e:  # noqa: BLE001 - whatever the reader says, the answer is the same
-        raise ConfigError(f"{what}. Reading it said: {str(e).strip().splitlines()[0][:300]}") \
-            from None
+        cause = e
+    raise ConfigError(f"{what}. Reading it said: {str(cause).strip().splitlines()[0][:300]}") \
+        from None
 
 
 def check_init_from(path: str, model_args) -> None:
@@ -937,7 +958,7 @@ def export_main(argv: Optional[list[str]] = None) -> None:
         _cli_fail(p.prog, EXIT_NOT_A_CHECKPOINT, e)
     except CheckpointError as e:
         _cli_fail(p.prog, EXIT_UNLOADABLE, e)
-    except (ValueError, RuntimeError) as e:  # its weights or tokenizer do not fit its model args
+    except (BadInput, RuntimeError) as e:  # its weights or tokenizer do not fit its model args
         _cli_fail(p.prog, EXIT_UNLOADABLE, f"{a.checkpoint_dir} cannot be exported: "
                                            f"{type(e).__name__}: {e}")
     step = checkpoint_step(ckpt)
@@ -963,7 +984,7 @@ def import_main(argv: Optional[list[str]] = None) -> None:
                   f"save_pretrained wrote (config.json + model*.safetensors).")
     try:
         args, sd = import_hf(d)
-    except ValueError as e:
+    except BadInput as e:  # WeightsError, or ModelArgs' ConfigError: config.json's values
         _cli_fail(p.prog, EXIT_UNLOADABLE, f"{d} cannot be imported: {e}")
     if a.dtype:
         sd = {k: v.to(_DTYPES[a.dtype]) for k, v in sd.items()}

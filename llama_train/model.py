@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from llama_train.errors import BadInput
 from llama_train.model_args import (ModelArgs, RopeScaling, count_params, ffn_hidden_dim,
                                     flops_per_token, list_presets, load_preset)
 from llama_train.model_ops import (apply_rotary_emb, cross_entropy, document_ids, document_mask,
@@ -409,8 +410,8 @@ class Transformer(nn.Module):
             lens = torch.tensor([len(p) for p in prompt], device=device)
         B, max_len, min_len = lens.numel(), int(lens.max()), int(lens.min())
         total = max_len + max_new_tokens
-        if total > self.args.max_seq_len:
-            raise ValueError(
+        if total > self.args.max_seq_len:  # the user's prompt and request: bad input
+            raise BadInput(
                 f"prompt ({max_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                 f"model.max_seq_len={self.args.max_seq_len}")
         pad = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 from llama_train.bounds import Range
+from llama_train.errors import ConfigError
 from llama_train.policy import may_change
 
 ROPE_SCALING_TYPES = ("default", "linear", "llama3")
@@ -64,8 +65,8 @@ class RopeScaling:
 
     def check(self) -> None:
         if self.type not in ROPE_SCALING_TYPES:
-            raise ValueError(f"model.rope_scaling.type={self.type!r} is not supported: choose one of "
-                             f"{', '.join(ROPE_SCALING_TYPES)}")
+            raise ConfigError(f"model.rope_scaling.type={self.type!r} is not supported: choose one of "
+                              f"{', '.join(ROPE_SCALING_TYPES)}")
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             setattr(self, name, _check_positive_float(f"rope_scaling.{name}", getattr(self, name)))
         _check_positive_int("rope_scaling.original_max_position_embeddings",
@@ -74,12 +75,12 @@ class RopeScaling:
                           ("original_max_position_embeddings", _RANGES["max_seq_len"])):
             msg = rng.message(f"model.rope_scaling.{name}", getattr(self, name))
             if msg is not None:
-                raise ValueError(msg)
+                raise ConfigError(msg)
         if self.type != "default" and self.factor < 1.0:
-            raise ValueError(f"model.rope_scaling.factor={self.factor} must be >= 1: it stretches the "
-                             f"context by that many times (Llama 3.1 uses 8)")
+            raise ConfigError(f"model.rope_scaling.factor={self.factor} must be >= 1: it stretches the "
+                              f"context by that many times (Llama 3.1 uses 8)")
         if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-            raise ValueError(
+            raise ConfigError(
                 f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must be greater than "
                 f"low_freq_factor={self.low_freq_factor} (Llama 3.1: 4 and 1): the band between "
                 f"them is interpolated")
@@ -93,13 +94,13 @@ class RopeScaling:
             return value
         if not isinstance(value, Mapping):
             keys = ", ".join(f.name for f in fields(cls))
-            raise ValueError(f"model.rope_scaling must be a mapping of {keys}, got {value!r}")
+            raise ConfigError(f"model.rope_scaling must be a mapping of {keys}, got {value!r}")
         d = dict(value)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown key(s) {', '.join('model.rope_scaling.' + k for k in unknown)}:"
-                             f" valid keys are {', '.join(sorted(known))}")
+            raise ConfigError(f"unknown key(s) {', '.join('model.rope_scaling.' + k for k in unknown)}:"
+                              f" valid keys are {', '.join(sorted(known))}")
         return cls(**d)
 
 
@@ -152,27 +153,27 @@ class ModelArgs:
         for name, rng in _RANGES.items():  # the upper bounds (and norm_eps, init_std below 1)
             msg = rng.message(f"model.{name}", getattr(self, name))
             if msg is not None:
-                raise ValueError(msg)
+                raise ConfigError(msg)
         self.rope_scaling = RopeScaling.coerce(self.rope_scaling)
         self.rope_scaling.check()
         for name in ("tie_embeddings", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"model.{name}={getattr(self, name)!r} must be true or false")
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} must be true or false")
         c = self.loss_chunk_tokens
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= 2**24):
-            raise ValueError(f"model.loss_chunk_tokens={c!r} must be a whole number of tokens in "
-                             f"0..{2**24} (0: whole logits) or null (auto: {LOSS_CHUNK_RULE})")
+            raise ConfigError(f"model.loss_chunk_tokens={c!r} must be a whole number of tokens in "
+                              f"0..{2**24} (0: whole logits) or null (auto: {LOSS_CHUNK_RULE})")
         if self.dim % self.n_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: "
                 "choose n_heads that divides dim (head_dim = dim / n_heads)")
         if self.head_dim % 2:
-            raise ValueError(
+            raise ConfigError(
                 f"model.dim={self.dim} / model.n_heads={self.n_heads} gives an odd head_dim="
                 f"{self.head_dim}, but RoPE rotates feature pairs: choose dim and n_heads so that "
                 "dim / n_heads is even")
         if self.n_heads % self.kv_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads="
                 f"{self.n_kv_heads}: choose n_kv_heads that divides n_heads (each key/value head "
                 "serves n_heads / n_kv_heads query heads), or null for plain multi-head attention")
@@ -230,11 +231,11 @@ class ModelArgs:
         except ImportError:  # pragma: no cover
             pass
         if not isinstance(d, Mapping):
-            raise ValueError(f"model config must be a mapping of ModelArgs fields, got {type(d).__name__}")
+            raise ConfigError(f"model config must be a mapping of ModelArgs fields, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown model config key(s) {', '.join('model.' + k for k in unknown)}: "
                 f"valid keys are {', '.join(sorted(known))}")
         return cls(**dict(d))
@@ -250,16 +251,16 @@ def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[floa
 
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"model.{name}={value!r} must be an integer (got {type(value).__name__})")
+        raise ConfigError(f"model.{name}={value!r} must be an integer (got {type(value).__name__})")
     if value <= 0:
-        raise ValueError(f"model.{name}={value} must be a positive integer")
+        raise ConfigError(f"model.{name}={value} must be a positive integer")
 
 
 def _check_positive_float(name: str, value: Any, hint: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"model.{name}={value!r} must be a number (got {type(value).__name__})")
+        raise ConfigError(f"model.{name}={value!r} must be a number (got {type(value).__name__})")
     if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"model.{name}={value} must be a positive finite number" + (f": {hint}" if hint else ""))
+        raise ConfigError(f"model.{name}={value} must be a positive finite number" + (f": {hint}" if hint else ""))
     return float(value)
 
 
@@ -338,13 +339,13 @@ def load_preset(name_or_path: Union[str, Path]) -> ModelArgs:
     if p.suffix not in (".yaml", ".yml") and len(p.parts) == 1:
         p = Path(CONFIG_DIR) / "model" / f"{name_or_path}.yaml"
         if not p.is_file():
-            raise ValueError(
+            raise ConfigError(
                 f"unknown model preset {str(name_or_path)!r}: choose one of {', '.join(list_presets())} "
                 f"(files in {Path(CONFIG_DIR) / 'model'}) or pass a yaml path")
     elif not p.is_file():
-        raise ValueError(f"model config file {str(p)!r} does not exist")
+        raise ConfigError(f"model config file {str(p)!r} does not exist")
     cfg = OmegaConf.load(p)
     try:
         return ModelArgs.from_dict(cfg)
     except ValueError as e:
-        raise ValueError(f"{p}: {e}") from None
+        raise ConfigError(f"{p}: {e}") from None

@@ -15,10 +15,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = Path(os.environ.get("LLAMA_TRAIN_CONFIG_DIR", REPO_ROOT / "configs"))
 CACHE_ENV = "LLAMA_TRAIN_CACHE"
 
+from llama_train.errors import BadInput
+
 PathLike = Union[str, Path]
 
 
-class PathRefused(ValueError):
+class PathRefused(BadInput):
     """A path the program would write is refused before anything is written: the message names
     the key or option, the path, why, and the fix. The trainer raises it as a ConfigError
     (exit 2); each CLI prints it as its one error line (exit 2)."""

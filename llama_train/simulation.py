@@ -221,13 +221,14 @@ def replan(output_dir: str) -> Dict[str, Any]:
     from omegaconf import OmegaConf
 
     from llama_train.config import Config, load_config, resolve_batch
+    from llama_train.errors import BadInput
     from llama_train.records import RUN_INFO_FILE
 
     out = Path(output_dir)
     report = json.loads((out / RUN_INFO_FILE).read_text()).get("simulation")
     if not report:
-        raise ValueError(f"{out / RUN_INFO_FILE} holds no simulation report: not a finished "
-                         f"comm.simulate_ranks run")
+        raise BadInput(f"{out / RUN_INFO_FILE} holds no simulation report: not a finished "
+                       f"comm.simulate_ranks run")
     cfg = load_config(OmegaConf.merge(OmegaConf.structured(Config),
                                       OmegaConf.load(out / "config.yaml")))
     from llama_train.engine import resolve_precision

@@ -5,10 +5,11 @@ line that says what to do.
 
 Works unchanged under the ``deepspeed`` launcher (its ``--local_rank=N`` is taken off argv before
 Hydra parses it) and as a plain single process. Exit codes (docs/reliability.md): 2 bad config or
-data (also the rendezvous: MASTER_PORT in use, MASTER_ADDR unresolvable), 3 a checkpoint could
-not be saved or loaded, 4 the fault policy gave up, 5 another rank was lost, 6 a DataLoader worker
-of this rank died (the OOM killer's SIGKILL, a crash), 128+N stopped by signal N (130: Ctrl-C)
-after saving.
+data, a :class:`llama_train.errors.BadInput` (also the rendezvous: MASTER_PORT in use,
+MASTER_ADDR unresolvable), 3 a checkpoint could not be saved or loaded, 4 the fault policy gave
+up, 5 another rank was lost, 6 a DataLoader worker of this rank died (the OOM killer's SIGKILL, a
+crash), 128+N stopped by signal N (130: Ctrl-C) after saving. Any other exception is a bug: it
+keeps its traceback (exit 1).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import hydra
 from omegaconf import DictConfig
 
 from llama_train.config import Config, ConfigError, load_config
+from llama_train.errors import BadInput
 from llama_train.hooks import Hook
 from llama_train.paths import CONFIG_DIR
 from llama_train.preflight import preflight, setup_logging
@@ -76,7 +78,8 @@ def _strip_launcher_args(argv: List[str]) -> List[str]:
     return out
 
 
-# Exit codes (docs/reliability.md): 2 bad config or data, 3 a checkpoint could not be saved or
+# Exit codes (docs/reliability.md): 2 bad config or data (BadInput: llama_train.errors; a bare
+# ValueError is a bug, exit 1 with its traceback), 3 a checkpoint could not be saved or
 # loaded, 4 the fault policy gave up, 5 another rank was lost, 6 a DataLoader worker died
 # (llama_train.data.loader.DataWorkerDied, raised as a DataInterrupted with its exit_code);
 # 128+N stopped by signal N (llama_train.trainer.StopSignals).
@@ -120,8 +123,8 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
         say_error(str(e))
         logging.shutdown()
         exit_skipping_teardown(e.exit_code)
-    except ValueError as e:  # ConfigError, DataError, ModelArgs checks: a message, not a trace
-        _fail(EXIT_BAD_INPUT, e)
+    except BadInput as e:  # ConfigError, DataError, WeightsError, ModelArgs checks: one line
+        _fail(EXIT_BAD_INPUT, e)  # (any other exception is a bug: it keeps its traceback)
     except (CheckpointError, TrainingAborted) as e:
         _fail(EXIT_CHECKPOINT if isinstance(e, CheckpointError) else EXIT_ABORTED, e)
     except OSError as e:
@@ -401,8 +404,8 @@ def _check_sweep(overrides: List[str], source: "ConfigSource") -> None:
                     full = compose(source.name, [*source.search, *own], return_hydra_config=True)
                     cfg = load_config(_as_sweep_job(full, n))
                     validate(cfg, world, device)
-                except Exception as e:  # noqa: BLE001 - composition errors and ValueErrors
-                    msg = explain_composition_error(e) or (str(e) if isinstance(e, ValueError)
+                except Exception as e:  # noqa: BLE001 - composition errors and bad input
+                    msg = explain_composition_error(e) or (str(e) if isinstance(e, BadInput)
                                                             else None)
                     if msg is None:
                         raise
@@ -651,7 +654,7 @@ def main(hooks: Sequence[Hook] = ()) -> None:
         try:
             print_job_config(overrides)
         except Exception as e:  # noqa: BLE001 - as a job's config errors: one line, exit 2
-            msg = explain_composition_error(e) or (str(e) if isinstance(e, ValueError) else None)
+            msg = explain_composition_error(e) or (str(e) if isinstance(e, BadInput) else None)
             if msg is None:
                 raise
             _fail(EXIT_BAD_INPUT, ConfigError(msg))

@@ -19,14 +19,15 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from llama_train.errors import BadInput
 from llama_train.model_args import ModelArgs
 
 
-class WeightsError(ValueError):
+class WeightsError(BadInput):
     """Weights that are not a float model of exactly their config's shapes (integer or quantized
     tensors, NaN or inf, a shape, layer count or vocabulary the config does not describe), or a
     file a model directory names outside itself: one message naming the tensor or file and the
-    fix. A ValueError, so the CLIs refuse it in one line."""
+    fix. A BadInput, so the CLIs refuse it in one line."""
 
 
 FLOATS = ("float32", "bfloat16", "float16", "float64")  # what a model is read as

@@ -199,7 +199,7 @@ def test_deepspeed_is_imported_only_by_the_engine(mods):
 LOOP = {"train", "dry_run", "preflight", "trainer", "train_module", "checkpoint", "resume",
         "tracking", "recovery", "faults", "sample", "runlock", "simulation"}
 FOUNDATION = {"config", "policy", "records", "util", "proc", "paths", "model", "model_args", "model_ops",
-              "optim", "hooks", "flops", "watchdog", "comm", "data.config", "meter"}
+              "optim", "hooks", "flops", "watchdog", "comm", "data.config", "meter", "errors"}
 
 
 def _layer(name: str) -> str:
@@ -225,6 +225,15 @@ def test_dependencies_point_down(mods):
     assert not entry, f"{entry} import llama_train.train (the entry point): only bench/ may"
     assert {_layer(f"llama_train.{n}") for n in LOOP} == {"loop"}
     assert all(f"llama_train.{n}" in mods for n in LOOP | FOUNDATION), "a layer names a module that is gone"
+
+
+def test_errors_is_the_bottom(mods):
+    """llama_train.errors (BadInput, ConfigError: what the entry points turn into exit 2) is
+    raised from every layer, the torch-free config and model arguments included: it imports
+    nothing of the package and nothing outside the standard library."""
+    m = mods["llama_train.errors"]
+    assert not m.internal, m.internal
+    assert m.external <= {"__future__", "__future__.annotations"}, m.external
 
 
 @pytest.mark.parametrize("name", ["llama_train.model", "llama_train.model_ops"])

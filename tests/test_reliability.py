@@ -461,6 +461,7 @@ BAD_DATA = ["truncated shard", "same-size corruption, data.verify=true", "corrup
 def test_bad_data_is_refused_before_the_process_group(case, bad_inputs, monkeypatch):
     import torch.distributed as dist
 
+    from llama_train.errors import BadInput
     from llama_train.preflight import preflight
     from helpers import compose_cfg
 
@@ -470,7 +471,7 @@ def test_bad_data_is_refused_before_the_process_group(case, bad_inputs, monkeypa
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     cfg = compose_cfg([*TINY, f"trainer.output_dir={root}/out", *overrides])
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(BadInput) as err:  # exit 2 with one line (a bare ValueError: a bug)
         preflight(cfg)
     assert needle in str(err.value), str(err.value)
     assert not dist.is_initialized()

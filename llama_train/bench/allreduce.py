@@ -86,9 +86,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.sizes = [parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
     if args.nccl_algo is not None:
         from llama_train.comm import normalize_nccl_algo
+        from llama_train.errors import BadInput
         try:
             args.nccl_algo = normalize_nccl_algo(args.nccl_algo)
-        except ValueError as e:
+        except BadInput as e:  # ConfigError naming the algorithm
             raise SystemExit(f"--nccl-algo: {e}")
     if args.backend == "nccl" and args.device == "cpu":
         raise SystemExit("--backend nccl needs --device cuda; use --backend gloo (or auto) on CPU")

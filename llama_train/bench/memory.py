@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def model_args_of(args: argparse.Namespace):
+    from llama_train.errors import BadInput
     from llama_train.model import ModelArgs, load_preset
 
     shape = [args.dim, args.n_layers, args.n_heads]
@@ -103,11 +104,11 @@ def model_args_of(args: argparse.Namespace):
             return ModelArgs(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
                              n_kv_heads=args.n_kv_heads, vocab_size=args.vocab,
                              max_seq_len=max(args.seq_len, 64))
-        except ValueError as e:
+        except BadInput as e:  # ModelArgs' ConfigError
             raise SystemExit(f"llama-bench memory: {e}") from None
     try:
         return load_preset(args.preset or "tiny")
-    except ValueError as e:
+    except BadInput as e:  # ConfigError: no such preset, or its values
         raise SystemExit(f"llama-bench memory: --preset: {e}") from None
 
 

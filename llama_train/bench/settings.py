@@ -59,6 +59,7 @@ def compose_config(overrides: List[str]):
     from hydra.errors import HydraException
 
     from llama_train.config import load_config  # registers the structured schema
+    from llama_train.errors import BadInput
     from llama_train.model import list_presets
     from llama_train.paths import CONFIG_DIR
 
@@ -70,7 +71,7 @@ def compose_config(overrides: List[str]):
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             dcfg = compose("config", overrides=overrides)
         return load_config(dcfg)
-    except (HydraException, ValueError) as e:
+    except (HydraException, BadInput) as e:  # Hydra's composition; load_config: ConfigError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SystemExit(f"llama-bench train: the llama-train config does not compose: {first} "
                          f"(check --override values; overrides: {' '.join(overrides)})") from None

@@ -132,12 +132,13 @@ def _floor_spec(overrides: List[str]) -> Dict[str, Any]:
     from hydra.errors import HydraException
 
     from llama_train.config import load_config
+    from llama_train.errors import BadInput
     from llama_train.paths import CONFIG_DIR
 
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             cfg = load_config(compose("config", overrides=overrides))
-    except (HydraException, ValueError) as e:
+    except (HydraException, BadInput) as e:  # Hydra's composition; load_config: ConfigError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SystemExit(f"llama-bench startup: the llama-train config does not compose: {first}")
     return {"model": asdict(cfg.model), "micro_batch": cfg.trainer.micro_batch,

@@ -289,6 +289,7 @@ def run_bench(args: argparse.Namespace) -> dict:
 
     from llama_train.config import validate
     from llama_train.data import check_compatible, prepare_data
+    from llama_train.errors import BadInput
     from llama_train.model import flops_per_token
 
     device = resolve_device(args)
@@ -302,7 +303,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     margs = cfg.model
     try:  # llama-train's own checks, before any process starts
         validate(cfg, 1, device)
-    except ValueError as e:
+    except BadInput as e:  # ConfigError
         raise SystemExit(f"llama-bench train: {e}") from None
     fpt = flops_per_token(margs, args.seq_len)
     prepared = prepare_data(cfg.data, vocab_size=margs.vocab_size)

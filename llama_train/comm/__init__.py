@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from llama_train.errors import ConfigError
 from llama_train.policy import per_launch
 
 __all__ = [
@@ -71,23 +72,23 @@ class CommConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in _BACKENDS:
-            raise ValueError(
+            raise ConfigError(
                 f"comm.backend={self.backend!r} is not one of {'|'.join(_BACKENDS)}; "
                 "use comm.backend=auto to pick nccl on CUDA and gloo on CPU")
         if int(self.timeout_s) <= 0:
-            raise ValueError(f"comm.timeout_s={self.timeout_s} must be a positive number of seconds")
+            raise ConfigError(f"comm.timeout_s={self.timeout_s} must be a positive number of seconds")
         if self.nccl_algo is not None:
             normalize_nccl_algo(self.nccl_algo)
         n, r = int(self.simulate_ranks), int(self.simulate_rank)
         if n == 1 or n < 0:
-            raise ValueError(f"comm.simulate_ranks={n}: give the number of ranks of the job to "
-                             f"simulate (2 or more), or 0 to run for real")
+            raise ConfigError(f"comm.simulate_ranks={n}: give the number of ranks of the job to "
+                              f"simulate (2 or more), or 0 to run for real")
         if r and not n:
-            raise ValueError(f"comm.simulate_rank={r} needs comm.simulate_ranks=N (the job's "
-                             f"size); comm.simulate_rank alone simulates nothing")
+            raise ConfigError(f"comm.simulate_rank={r} needs comm.simulate_ranks=N (the job's "
+                              f"size); comm.simulate_rank alone simulates nothing")
         if n and not 0 <= r < n:
-            raise ValueError(f"comm.simulate_rank={r} is not a rank of comm.simulate_ranks={n}: "
-                             f"use 0 .. {n - 1}")
+            raise ConfigError(f"comm.simulate_rank={r} is not a rank of comm.simulate_ranks={n}: "
+                              f"use 0 .. {n - 1}")
 
     @property
     def simulate(self) -> Optional[Tuple[int, int]]:
@@ -103,7 +104,7 @@ def normalize_nccl_algo(algo: str) -> str:
     canon = {a.lower(): a for a in NCCL_ALGOS}
     bad = [n for n in names if n.lower() not in canon]
     if not text.lstrip("^") or bad:
-        raise ValueError(
+        raise ConfigError(
             f"comm.nccl_algo={algo!r}: unknown NCCL algorithm {bad or [text]}; use one of "
             f"{', '.join(NCCL_ALGOS)}, a comma list of them, a '^' prefix to exclude, "
             "or comm.nccl_algo=null to let NCCL choose")
@@ -144,15 +145,15 @@ def configure_backend(device: str, nccl_algo: Optional[str] = None) -> str:
 
 
 def check_backend(cfg: CommConfig, device_type: str) -> str:
-    """The backend ``cfg`` gives on ``device_type`` ("nccl" or "gloo"), or ValueError naming the
+    """The backend ``cfg`` gives on ``device_type`` ("nccl" or "gloo"), or ConfigError naming the
     key: :func:`apply_env`'s checks without touching the environment, so that a preflight can
     refuse a mismatch (``comm.backend=nccl`` on CPU) before data preparation and the process
     group, instead of at the process group's start."""
     dtype = _device_type(device_type)
     if cfg.backend not in _BACKENDS:
-        raise ValueError(f"comm.backend={cfg.backend!r} is not one of {'|'.join(_BACKENDS)}")
+        raise ConfigError(f"comm.backend={cfg.backend!r} is not one of {'|'.join(_BACKENDS)}")
     if cfg.backend == "nccl" and dtype != "cuda":
-        raise ValueError("comm.backend=nccl needs CUDA but the device is cpu; use comm.backend=auto or gloo")
+        raise ConfigError("comm.backend=nccl needs CUDA but the device is cpu; use comm.backend=auto or gloo")
     if cfg.nccl_algo is not None:
         normalize_nccl_algo(cfg.nccl_algo)
     return "gloo" if cfg.backend == "gloo" or dtype == "cpu" else "nccl"

@@ -232,11 +232,12 @@ def init(rank: int, world_size: int, timeout) -> None:
     """The default process group: this process as rank ``rank`` of ``world_size``
     (2 .. :data:`llama_train.bounds.SIMULATE_MAX_RANKS`, as comm.simulate_ranks is checked)."""
     from llama_train.bounds import SIMULATE_MAX_RANKS as MAX_RANKS
+    from llama_train.errors import ConfigError
 
     if not (2 <= world_size <= MAX_RANKS and 0 <= rank < world_size):
-        raise ValueError(f"comm.simulate_ranks={world_size}, comm.simulate_rank={rank}: a "
-                         f"simulated rank is one of 2 .. {MAX_RANKS} ranks (its collectives and "
-                         f"saves slow with the number simulated)")
+        raise ConfigError(f"comm.simulate_ranks={world_size}, comm.simulate_rank={rank}: a "
+                          f"simulated rank is one of 2 .. {MAX_RANKS} ranks (its collectives and "
+                          f"saves slow with the number simulated)")
     register()
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size,
                             timeout=timeout)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from llama_train.errors import BadInput
 
-class DataError(ValueError):
+
+class DataError(BadInput):
     """Bad data input or an incompatible prepared directory.
 
-    Subclasses ValueError so callers that validate configs can catch both; the message always
-    names the offending key, file or path and how to fix it.
+    A BadInput (a ValueError) so the entry points refuse it in one line (exit 2), as a config
+    error; the message always names the offending key, file or path and how to fix it.
     """
 
 

@@ -17,8 +17,10 @@ from typing import Any, Dict, Mapping, Sequence, Tuple, Union
 
 import numpy as np
 
+from llama_train.errors import BadInput
 
-class ScalingError(ValueError):
+
+class ScalingError(BadInput):
     """Bad input to the planner; the message names the argument/key/path and the fix."""
 
 
