@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from llama_train.config import (BatchPlan, Config, ConfigError, config_warnings,
-                                data_parallel_size, to_container, validate)
+                                parallel_layout, to_container, validate)
 
 log = logging.getLogger("llama_train")
 
@@ -98,7 +98,7 @@ def preflight(cfg: Config) -> Preflight:
         log.warning("%s", start_warning(rt.world_size, rt.rank))
         cfg = simulation_config(cfg)
     check_output_dir(cfg, rt.simulated)  # a simulation and a real run never share a dir
-    dp = data_parallel_size(cfg, rt.world_size)  # ranks / parallel.sequence
+    dp = parallel_layout(cfg, rt.world_size).data_parallel  # ranks / parallel.sequence
     cfg, experiment = plan_experiment(cfg, dp)
     candidate = _resume_candidate(cfg)  # looked for once: a file may change between looks
     cfg = _keep_checkpoint_batch(cfg, candidate, dp, rt.is_main)

@@ -199,7 +199,7 @@ def test_deepspeed_is_imported_only_by_the_engine(mods):
 LOOP = {"train", "dry_run", "preflight", "trainer", "train_module", "checkpoint", "resume",
         "tracking", "recovery", "faults", "sample", "runlock", "simulation"}
 FOUNDATION = {"config", "policy", "records", "util", "proc", "paths", "model", "model_args", "model_ops",
-              "optim", "hooks", "flops", "watchdog", "comm", "data.config", "meter"}
+              "optim", "hooks", "flops", "watchdog", "comm", "data.config", "meter", "layout"}
 
 
 def _layer(name: str) -> str:
