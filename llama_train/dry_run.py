@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 from typing import Any, List, Optional
 
-from llama_train.config import BatchPlan, Config, parallel_layout, validate
-from llama_train.preflight import check_tokenizer_fits, plan_experiment, setup_logging
+from llama_train.config import BatchPlan, Config
+from llama_train.plan import plan_job
+from llama_train.preflight import check_tokenizer_fits, setup_logging
 
 GIB = 2 ** 30
 
@@ -29,9 +30,8 @@ def dry_run(cfg: Config) -> None:
 
     rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
     setup_logging(rt.rank, rt.is_main)
-    layout = parallel_layout(cfg, rt.world_size, rt.rank)  # ranks / parallel.sequence, checked
-    cfg, experiment = plan_experiment(cfg, layout.data_parallel)
-    plan = validate(cfg, rt.world_size, rt.device_type)
+    job = plan_job(cfg, rt, scope="config")  # the layout, the experiment's plan, the batch
+    cfg, experiment, plan, layout = job.cfg, job.experiment, job.batch, job.layout
     check_tokenizer_fits(cfg)  # a tokenizer that cannot feed the model: refused, not planned
     if not rt.is_main:
         return
@@ -95,8 +95,8 @@ def print_job_config(overrides: List[str]) -> None:
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = load_config(compose("config", overrides=list(overrides)))
     rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
-    cfg, experiment = plan_experiment(cfg, parallel_layout(cfg, rt.world_size).data_parallel)
-    validate(cfg, rt.world_size, rt.device_type)
+    job = plan_job(cfg, rt, scope="config")  # as the dry run plans it
+    cfg, experiment = job.cfg, job.experiment
     head = ("# llama-train --cfg job: the config this command trains with"
             + (f" (experiment: {experiment.describe()})" if experiment else "")
             + "; interpolations resolved, secrets scrubbed")

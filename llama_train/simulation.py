@@ -372,15 +372,6 @@ def rename_losses(metrics: Dict[str, Any]) -> Dict[str, Any]:
              else k): v for k, v in metrics.items()}
 
 
-def simulation_config(cfg):
-    """The config a simulated rank trains with: W&B and the text sample switched off (a W&B
-    run of one rank's numbers, a sample from mirrored weights: both would mislead)."""
-    from dataclasses import replace
-
-    tracking = replace(cfg.tracking, wandb=replace(cfg.tracking.wandb, mode="disabled"))
-    return replace(cfg, tracking=tracking, sample=replace(cfg.sample, tokens=0))
-
-
 def runs_in(output_dir: str) -> Dict[str, List[str]]:
     """Who wrote what an output dir holds, from its files: ``{"real": [...], "simulated":
     [...]}``, each a list of the names that tell (a checkpoint's trainer_state.json has

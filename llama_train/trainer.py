@@ -31,7 +31,6 @@ from llama_train import watchdog
 from llama_train.checkpoint import (CheckpointManager, checkpoint_step, prepare_universal,
                                     read_state, rng_state,
                                     set_rng_state)
-from llama_train.config import parallel_layout
 from llama_train.data import TrainLoader, eval_sets
 from llama_train.faults import FaultInjector, FaultPlan
 from llama_train.flops import PeakFlops, memory_stats
@@ -332,8 +331,7 @@ class Trainer:
         ``resume`` (None: from step 0). ``pre`` is the :class:`llama_train.preflight.Preflight`
         (config checked, data prepared); :func:`start` makes the rest."""
         self.cfg, self.rt, self.plan, self.prepared = pre.cfg, pre.rt, pre.plan, pre.prepared
-        # ranks / parallel.sequence, this rank's coordinates
-        self.layout = parallel_layout(pre.cfg, pre.rt.world_size, pre.rt.rank)
+        self.layout = pre.job.layout  # ranks / parallel.sequence, this rank's coordinates
         self.command = pre.command  # for run_info.json
         self.model_args = pre.model_args
         self.experiment = pre.experiment  # scaling.ExperimentPlan of experiment=... runs
