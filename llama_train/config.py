@@ -22,6 +22,7 @@ from llama_train.comm import CommConfig
 from llama_train.policy import may_change, per_launch
 from llama_train.data.config import DataConfig
 from llama_train.errors import ConfigError  # defined there, exported here as always
+from llama_train.layout import ParallelLayout
 from llama_train.model_args import ModelArgs
 
 
@@ -737,7 +738,7 @@ def validate(cfg: Config, world_size: int, device: str,
         raise ConfigError("deepspeed.precision=fp16 is not supported on CPU: use fp32 (or bf16).")
     _check_float8(cfg, device)
     _check_zeropp_mics(cfg, world_size, device, ranks_per_node)
-    return resolve_batch(t, data_parallel_size(cfg, world_size))
+    return resolve_batch(t, parallel_layout(cfg, world_size).data_parallel)
 
 
 def mics_unavailable() -> Optional[str]:
@@ -833,33 +834,17 @@ def _check_float8(cfg: Config, device: str) -> None:
             f"float8.enabled=false.")
 
 
-def data_parallel_size(cfg: Config, world_size: int) -> int:
-    """Ranks / parallel.sequence: how many different micro-batches a step trains at once.
-    Raises ConfigError (key and fix) for a sequence-parallel layout that cannot work."""
-    n, m = cfg.parallel.sequence, cfg.model
-    if n == 1:
-        return world_size
-    fix = "choose parallel.sequence among the common divisors, or 1 to turn it off"
-    if world_size % n:
-        raise ConfigError(f"parallel.sequence={n} does not divide the {world_size} rank(s): each "
-                          f"group of {n} ranks shares a sequence; {fix}.")
-    if cfg.trainer.seq_len % n:
-        raise ConfigError(f"trainer.seq_len={cfg.trainer.seq_len} is not divisible by "
-                          f"parallel.sequence={n}: each of the {n} ranks holds an equal slice; "
-                          f"{fix} (or change trainer.seq_len).")
-    if m.n_heads % n:
-        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by parallel.sequence={n}: "
-                          f"attention gives each rank n_heads / {n} heads; {fix}.")
-    if m.kv_heads % n and n % m.kv_heads:
-        raise ConfigError(
-            f"model.n_kv_heads={m.kv_heads} and parallel.sequence={n}: one must divide the other "
-            f"(each rank takes n_kv_heads / {n} key/value heads, or with fewer key/value heads "
-            f"than ranks each is copied to {n} // n_kv_heads ranks); {fix}.")
-    if cfg.comm.simulate_ranks:
-        raise ConfigError(f"parallel.sequence={n} with comm.simulate_ranks: a simulated rank has "
-                          f"no peers to exchange sequence slices with; set parallel.sequence=1 "
-                          f"to simulate the data-parallel layout.")
-    return world_size // n
+def parallel_layout(cfg: Config, world_size: int, rank: int = 0) -> ParallelLayout:
+    """How ``world_size`` ranks share the work under this config (:mod:`llama_train.layout`:
+    ranks / parallel.sequence data-parallel replicas, this ``rank``'s coordinates). Raises
+    ConfigError (key and fix) for a sequence-parallel layout that cannot work."""
+    m = cfg.model
+    why = ParallelLayout.refusal(world_size, cfg.parallel.sequence, seq_len=cfg.trainer.seq_len,
+                                 n_heads=m.n_heads, kv_heads=m.kv_heads,
+                                 simulated=bool(cfg.comm.simulate_ranks))
+    if why is not None:
+        raise ConfigError(why)
+    return ParallelLayout(world_size, rank, cfg.parallel.sequence)
 
 
 def config_warnings(cfg: Config) -> List[str]:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 from typing import Any, List, Optional
 
-from llama_train.config import BatchPlan, Config, data_parallel_size, validate
-from llama_train.preflight import check_tokenizer_fits, plan_experiment, setup_logging
+from llama_train.config import BatchPlan, Config
+from llama_train.plan import plan_job
+from llama_train.preflight import check_tokenizer_fits, setup_logging
 
 GIB = 2 ** 30
 
@@ -29,12 +30,13 @@ def dry_run(cfg: Config) -> None:
 
     rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
     setup_logging(rt.rank, rt.is_main)
-    cfg, experiment = plan_experiment(cfg, data_parallel_size(cfg, rt.world_size))
-    plan = validate(cfg, rt.world_size, rt.device_type)
+    job = plan_job(cfg, rt, scope="config")  # the layout, the experiment's plan, the batch
+    cfg, experiment, plan, layout = job.cfg, job.experiment, job.batch, job.layout
     check_tokenizer_fits(cfg)  # a tokenizer that cannot feed the model: refused, not planned
     if not rt.is_main:
         return
     t, m, ds = cfg.trainer, cfg.model, cfg.deepspeed
+    sp = layout.sequence_parallel
     n, fpt = count_params(m), flops_per_token(m, t.seq_len)
     tokens = t.max_steps * plan.tokens_per_step
     try:
@@ -54,14 +56,14 @@ def dry_run(cfg: Config) -> None:
         f"{', activation checkpointing' if m.activation_checkpointing else ''}"
         f"{f', loss in chunks of {m.loss_chunk} tokens' if m.loss_chunk else ''}",
         f"  parameters: {n['total']:,} total, {n['non_embedding']:,} non-embedding",
-        f"  batch: {plan.world_size} {'data-parallel ' if cfg.parallel.sequence > 1 else ''}"
+        f"  batch: {plan.world_size} {'data-parallel ' if sp > 1 else ''}"
         f"rank(s) x micro {plan.micro_batch} x accum "
         f"{plan.grad_accum} = {plan.global_batch} sequences x {t.seq_len} tokens = "
         f"{plan.tokens_per_step:,} tokens/step",
-        *([f"  sequence parallelism: {cfg.parallel.sequence} ranks share each sequence "
-           f"({t.seq_len // cfg.parallel.sequence} tokens and {m.n_heads // cfg.parallel.sequence}"
+        *([f"  sequence parallelism: {sp} ranks share each sequence "
+           f"({t.seq_len // sp} tokens and {m.n_heads // sp}"
            f" of {m.n_heads} heads each in attention; DeepSpeed-Ulysses all-to-all), "
-           f"{rt.world_size} ranks in all"] if cfg.parallel.sequence > 1 else []),
+           f"{layout.world} ranks in all"] if sp > 1 else []),
         f"  engine: DeepSpeed ZeRO-{ds.zero_stage}, {precision} on {rt.device_type}, "
         f"{'offload of the ' + ' and '.join(offload) + ' to CPU' if offload else 'no offload'}",
         f"  DeepSpeed config{' (deepspeed.extra merged last)' if ds.extra else ''}: "
@@ -93,8 +95,8 @@ def print_job_config(overrides: List[str]) -> None:
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = load_config(compose("config", overrides=list(overrides)))
     rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
-    cfg, experiment = plan_experiment(cfg, data_parallel_size(cfg, rt.world_size))
-    validate(cfg, rt.world_size, rt.device_type)
+    job = plan_job(cfg, rt, scope="config")  # as the dry run plans it
+    cfg, experiment = job.cfg, job.experiment
     head = ("# llama-train --cfg job: the config this command trains with"
             + (f" (experiment: {experiment.describe()})" if experiment else "")
             + "; interpolations resolved, secrets scrubbed")

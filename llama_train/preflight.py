@@ -15,8 +15,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from llama_train.config import (BatchPlan, Config, ConfigError, config_warnings,
-                                data_parallel_size, to_container, validate)
+from llama_train.config import BatchPlan, Config, ConfigError, to_container
+from llama_train.plan import JobPlan, plan_job
+from llama_train.plan import plan_experiment  # noqa: F401 - moved to plan.py; imported from here
 
 log = logging.getLogger("llama_train")
 
@@ -35,16 +36,32 @@ def setup_logging(rank: int, main: Optional[bool] = None) -> None:
 class Preflight:
     """Everything decided before a process group exists."""
 
-    cfg: Config  # the config the run trains with (an experiment's plan applied)
-    rt: Any  # engine.Runtime
-    model_args: Any  # model.ModelArgs
-    plan: BatchPlan
+    job: JobPlan  # the config the run trains with, its layout and batch (plan.plan_job)
     prepared: Any  # data.Prepared
-    experiment: Any = None  # scaling.ExperimentPlan, for experiment=... runs
     lock: Any = None  # runlock.RunLock on rank 0: the output_dir is this job's until release()
     command: Optional[str] = None  # the llama-train command of this job (run_info.json)
     faults: Any = None  # faults.FaultPlan from LLAMA_TRAIN_FAULTS (empty: none)
     resume: Any = None  # resume.ResumeCheck of the checkpoint a resume will load (None: fresh)
+
+    @property
+    def cfg(self) -> Config:  # the config the run trains with (an experiment's plan applied)
+        return self.job.cfg
+
+    @property
+    def rt(self) -> Any:  # engine.Runtime
+        return self.job.runtime
+
+    @property
+    def model_args(self) -> Any:  # model.ModelArgs
+        return self.job.cfg.model
+
+    @property
+    def plan(self) -> BatchPlan:
+        return self.job.batch
+
+    @property
+    def experiment(self) -> Any:  # scaling.ExperimentPlan, for experiment=... runs
+        return self.job.experiment
 
     def release(self) -> None:
         if self.lock is not None:
@@ -93,29 +110,14 @@ def preflight(cfg: Config) -> Preflight:
     rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
     setup_logging(rt.rank, rt.is_main)
     if rt.simulated:
-        from llama_train.simulation import simulation_config, start_warning
+        from llama_train.simulation import start_warning
 
         log.warning("%s", start_warning(rt.world_size, rt.rank))
-        cfg = simulation_config(cfg)
     check_output_dir(cfg, rt.simulated)  # a simulation and a real run never share a dir
-    dp = data_parallel_size(cfg, rt.world_size)  # ranks / parallel.sequence
-    cfg, experiment = plan_experiment(cfg, dp)
-    candidate = _resume_candidate(cfg)  # looked for once: a file may change between looks
-    cfg = _keep_checkpoint_batch(cfg, candidate, dp, rt.is_main)
-    # ranks per node: hpZ and MiCS groups must fit inside one (deepspeed.zeropp, mics_shard_size)
-    plan = validate(cfg, rt.world_size, rt.device_type, ranks_per_node=rt.local_world_size)
-    if cfg.float8.enabled:  # torchao present, FP8 matmuls on this GPU (validate: device, precision)
-        from llama_train.float8 import check_device
-
-        check_device(cfg.float8, rt.device)
-    if rt.is_main:
-        for warning in config_warnings(cfg):
-            log.warning("%s", warning)
-    if cfg.trainer.init_from:
-        from llama_train.hf import check_init_from
-
-        check_init_from(cfg.trainer.init_from, cfg.model)
-        cfg = _init_from_tokenizer(cfg, resuming=candidate is not None, main=rt.is_main)
+    # the config the run trains with (simulated rank, experiment, the resume's global batch,
+    # init_from's tokenizer), its layout and batch: checked, refused with the key and the fix
+    job = plan_job(cfg, rt)
+    cfg, plan = job.cfg, job.batch
     check_tokenizer_fits(cfg)  # files only: before the data is read or prepared
     faults = FaultPlan.from_env()  # a malformed LLAMA_TRAIN_FAULTS fails here, not mid-run
     check_wandb_env(cfg.tracking)
@@ -127,7 +129,7 @@ def preflight(cfg: Config) -> Preflight:
     _check_writable(cfg.trainer.output_dir)
     check_not_held_by_another_job(cfg.trainer.output_dir)  # every rank, before the data
     _check_one_history(cfg)
-    resume = _check_resume(cfg, plan, rt.world_size, candidate)  # files only: before data, group
+    resume = _check_resume(cfg, plan, rt.world_size, job.resume_candidate)  # before data, group
     try:
         prepared = prepare_data(cfg.data, vocab_size=cfg.model.vocab_size)
     except OSError as e:  # a write that names no file (ENOSPC in a shard): name the place
@@ -146,8 +148,7 @@ def preflight(cfg: Config) -> Preflight:
         check_tokenizer(resume.checkpoint, prepared.meta["tokenizer"].get("sha256"))
     # last: a refused config or data leaves no lock file behind (prepared data is found quickly)
     lock = RunLock(cfg.trainer.output_dir).acquire() if rt.is_main else None
-    return Preflight(cfg, rt, cfg.model, plan, prepared, experiment, lock, faults=faults,
-                     resume=resume)
+    return Preflight(job, prepared, lock, faults=faults, resume=resume)
 
 
 def check_tokenizer_fits(cfg: Config) -> None:
@@ -168,87 +169,6 @@ def check_tokenizer_fits(cfg: Config) -> None:
             return
         d = replace(d, tokenizer=str(own))
     tokenizer_settings(d, cfg.model.vocab_size)
-
-
-def _init_from_tokenizer(cfg: Config, resuming: bool, main: bool) -> Config:
-    """The config whose data is tokenized with the tokenizer trainer.init_from's weights were
-    trained with (data.tokenizer set to it, unless it names one that tokenizes alike): a
-    tokenizer trained afresh on this run's data gave other ids to the same pieces, and the run
-    trained on them with no error (issue 53). Data already prepared with that very tokenizer
-    (the run that trained the weights: same source, its trained tokenizer) is kept, not
-    prepared again. A resume loads its checkpoint's weights, not init_from's, and
-    resume.check_tokenizer compares the checkpoint's tokenizer with the data's: there the same
-    choice is made (the same command, the same data), but nothing is refused."""
-    from llama_train.data import DataError, find_prepared
-    from llama_train.data.tokenizer import file_sha256
-    from llama_train.hf import check_init_from_tokenizer, init_from_tokenizer_file
-
-    t, d = cfg.trainer, cfg.data
-    if resuming:
-        own = init_from_tokenizer_file(t.init_from)
-        if own is None or d.tokenizer is not None:
-            return cfg
-        tok = str(own)
-    else:
-        tok = check_init_from_tokenizer(t.init_from, d.tokenizer, cfg.model.vocab_size)
-        if d.tokenizer is not None:
-            return cfg
-    sha = file_sha256(tok)
-    try:
-        found = find_prepared(d, vocab_size=cfg.model.vocab_size)  # meta.json only
-    except DataError:  # prepared otherwise: preparing with the tokenizer says what is wrong
-        found = None
-    have = found.meta["tokenizer"].get("sha256") if found is not None else None
-    if have == sha:
-        if main:
-            log.info("trainer.init_from=%s: the data in %s is tokenized with its tokenizer "
-                     "(sha256 %s)", t.init_from, found.dir, sha[:12])
-        return cfg
-    if have is not None and d.prepared_dir and not resuming:
-        raise ConfigError(
-            f"data.prepared_dir={d.prepared_dir} holds data tokenized with tokenizer sha256 "
-            f"{have[:12]}, not the one trainer.init_from={t.init_from} was trained with ({tok}, "
-            f"sha256 {sha[:12]}): its weights would train on another tokenizer's ids. Give "
-            f"another data.prepared_dir (or null) to prepare the data with init_from's tokenizer.")
-    if main:
-        log.info("trainer.init_from=%s: tokenizing the data with its tokenizer %s (sha256 %s), "
-                 "the one its weights were trained with", t.init_from, tok, sha[:12])
-    return replace(cfg, data=replace(d, tokenizer=tok))
-
-
-def _resume_candidate(cfg: Config):
-    """The checkpoint a resume will most likely load (files only, no checksums), or None."""
-    from llama_train.checkpoint import resume_candidate
-
-    return resume_candidate(cfg.trainer.output_dir, cfg.trainer.resume)
-
-
-def _keep_checkpoint_batch(cfg: Config, ckpt, world_size: int, main: bool) -> Config:
-    """A resume keeps the checkpoint's global batch (the data order is a function of it) when
-    the user sets none: trainer.global_batch's default, micro_batch x world size, changes with
-    the number of ranks, and a 2-rank run resumed on 1 rank was refused. Gradient accumulation
-    takes up the difference (said in the log); a global batch the user sets is judged as given
-    (a conflicting one is refused by the resume check, with this fix)."""
-    from llama_train.checkpoint import read_state
-
-    t = cfg.trainer
-    if ckpt is None or t.global_batch is not None or t.global_batch_tokens is not None:
-        return cfg
-    saved = int(read_state(ckpt)["global_batch"])
-    per_step = t.micro_batch * world_size
-    if saved == per_step:
-        return cfg
-    if saved % per_step:
-        raise ConfigError(
-            f"checkpoint {ckpt} was trained with a global batch of {saved} sequences, which "
-            f"trainer.micro_batch={t.micro_batch} x {world_size} rank(s) = {per_step} does not "
-            f"divide: set trainer.micro_batch so that micro_batch x ranks divides {saved} (the "
-            f"global batch cannot change within a run), or start a new trainer.output_dir.")
-    if main:
-        log.info("resuming %s: keeping its global batch of %d sequences (trainer.micro_batch=%d "
-                 "x %d rank(s) x %d accumulation steps): the global batch cannot change "
-                 "within a run", ckpt, saved, t.micro_batch, world_size, saved // per_step)
-    return replace(cfg, trainer=replace(t, global_batch=saved))
 
 
 def _check_resume(cfg: Config, plan: BatchPlan, world_size: int, ckpt):
@@ -368,22 +288,6 @@ def _check_one_history(cfg: Config) -> None:
             f"start over with trainer.on_existing=archive (moves it to "
             f"{Path(t.output_dir) / 'archive'}/<time>/) or trainer.on_existing=overwrite "
             f"(deletes it), or use another trainer.output_dir. Nothing was changed.")
-
-
-def plan_experiment(cfg: Config, world_size: int):
-    """experiment=compute_optimal|inference_optimal|isoflop: the config this run trains with
-    (model shape, steps, warmup from the plan) and the plan; ``cfg`` itself is left alone."""
-    if cfg.scaling.mode == "none":
-        return cfg, None
-    from llama_train.scaling.planners import plan_config
-
-    if cfg.data.val_fraction == 0:
-        raise ConfigError(f"scaling.mode={cfg.scaling.mode} compares runs by their validation "
-                          f"loss, but data.val_fraction=0 leaves no validation split: set "
-                          f"data.val_fraction > 0 (default 0.01).")
-    planned, exp = plan_config(cfg, world_size)
-    log.info("scaling %s", exp.describe())
-    return planned, exp
 
 
 def _check_writable(output_dir: str) -> None:

@@ -127,16 +127,18 @@ def planned(cfg, model_args, plan, precision: str, world: int, device: str,
     """The planner's phases for one rank of ``world`` (bytes), or {"error": why} where it has
     none. A simulated rank's collectives are answered in place and copy nothing, so gloo's own
     copies are not counted by default (None: counted on CPU, as for a real rank there)."""
+    from llama_train.config import parallel_layout
     from llama_train.scaling.memory import rank_peak_memory
 
     ds = cfg.deepspeed
     try:
+        layout = parallel_layout(cfg, world)
         return rank_peak_memory(
             model_args, zero_stage=ds.zero_stage, world_size=world, dtype=precision,
             micro_batch=plan.micro_batch, seq_len=plan.seq_len,
             offload_optimizer=ds.offload_optimizer, offload_params=ds.offload_params,
             device=device, ds=ds, gloo_copies=gloo_copies,
-            sequence_parallel=cfg.parallel.sequence)
+            sequence_parallel=layout.sequence_parallel)
     except ValueError as e:  # ScalingError: settings the planner does not model
         return {"error": str(e)}
 
@@ -144,13 +146,15 @@ def planned(cfg, model_args, plan, precision: str, world: int, device: str,
 def planned_traffic(cfg, model_args, plan, precision: str, world: int) -> Dict[str, Any]:
     """:func:`llama_train.scaling.traffic.planned_traffic` for this run's settings (what a rank
     of ``world`` should send per step), or {"error": why} where it has no figure."""
+    from llama_train.config import parallel_layout
     from llama_train.scaling.traffic import planned_traffic as plan_traffic
 
     try:
+        layout = parallel_layout(cfg, world)
         return plan_traffic(model_args, world_size=world, zero_stage=cfg.deepspeed.zero_stage,
                             dtype=precision, grad_accum=plan.grad_accum,
                             micro_batch=plan.micro_batch, seq_len=plan.seq_len,
-                            sequence_parallel=cfg.parallel.sequence, ds=cfg.deepspeed,
+                            sequence_parallel=layout.sequence_parallel, ds=cfg.deepspeed,
                             decay_embeddings=cfg.optim.decay_embeddings,
                             decay_norms_and_biases=cfg.optim.decay_norms_and_biases)
     except ValueError as e:  # ScalingError: settings the planner does not model
@@ -220,7 +224,7 @@ def replan(output_dir: str) -> Dict[str, Any]:
 
     from omegaconf import OmegaConf
 
-    from llama_train.config import Config, load_config, resolve_batch
+    from llama_train.config import Config, load_config, parallel_layout, resolve_batch
     from llama_train.errors import BadInput
     from llama_train.records import RUN_INFO_FILE
 
@@ -234,8 +238,8 @@ def replan(output_dir: str) -> Dict[str, Any]:
     from llama_train.engine import resolve_precision
 
     precision = resolve_precision(cfg.deepspeed, report["device"])
-    return beside_the_plan(report, cfg, cfg.model, resolve_batch(cfg.trainer, report["ranks"]),
-                           precision)
+    batch = resolve_batch(cfg.trainer, parallel_layout(cfg, report["ranks"]).data_parallel)
+    return beside_the_plan(report, cfg, cfg.model, batch, precision)
 
 
 def format_table(r: Dict[str, Any]) -> str:
@@ -367,15 +371,6 @@ def rename_losses(metrics: Dict[str, Any]) -> Dict[str, Any]:
     nothing that reads ``loss`` or ``val_loss`` takes them for the job's."""
     return {(f"rank_{k}" if k in ("loss", "val_loss", "val_ppl") or k.startswith("val_loss/")
              else k): v for k, v in metrics.items()}
-
-
-def simulation_config(cfg):
-    """The config a simulated rank trains with: W&B and the text sample switched off (a W&B
-    run of one rank's numbers, a sample from mirrored weights: both would mislead)."""
-    from dataclasses import replace
-
-    tracking = replace(cfg.tracking, wandb=replace(cfg.tracking.wandb, mode="disabled"))
-    return replace(cfg, tracking=tracking, sample=replace(cfg.sample, tokens=0))
 
 
 def runs_in(output_dir: str) -> Dict[str, List[str]]:

@@ -384,7 +384,9 @@ def _check_sweep(overrides: List[str], source: "ConfigSource") -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from llama_train.config import explain_composition_error, validate
+    from llama_train.config import explain_composition_error
+    from llama_train.engine import Runtime
+    from llama_train.plan import plan_job
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -393,6 +395,10 @@ def _check_sweep(overrides: List[str], source: "ConfigSource") -> None:
         return
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = os.environ.get("DS_ACCELERATOR") or ("cuda" if _cuda_available() else "cpu")
+    # rank 0's view of the launch the jobs run in (what they share: the layout, the batch);
+    # ranks per node as a job reads them (engine.detect_runtime)
+    rt = Runtime(device, 0, 0, world,
+                 int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world))))
     bad = []
     GlobalHydra.instance().clear()
     before = HydraConfig.instance().cfg
@@ -403,7 +409,7 @@ def _check_sweep(overrides: List[str], source: "ConfigSource") -> None:
                     own = [o for o in job if not o.lstrip("+~").startswith("hydra")]
                     full = compose(source.name, [*source.search, *own], return_hydra_config=True)
                     cfg = load_config(_as_sweep_job(full, n))
-                    validate(cfg, world, device)
+                    plan_job(cfg, rt, scope="check")
                 except Exception as e:  # noqa: BLE001 - composition errors and bad input
                     msg = explain_composition_error(e) or (str(e) if isinstance(e, BadInput)
                                                             else None)

@@ -331,6 +331,7 @@ class Trainer:
         ``resume`` (None: from step 0). ``pre`` is the :class:`llama_train.preflight.Preflight`
         (config checked, data prepared); :func:`start` makes the rest."""
         self.cfg, self.rt, self.plan, self.prepared = pre.cfg, pre.rt, pre.plan, pre.prepared
+        self.layout = pre.job.layout  # ranks / parallel.sequence, this rank's coordinates
         self.command = pre.command  # for run_info.json
         self.model_args = pre.model_args
         self.experiment = pre.experiment  # scaling.ExperimentPlan of experiment=... runs
@@ -347,21 +348,21 @@ class Trainer:
         # comm.simulate_ranks: this rank's phases measured (the idle baseline is read here)
         self.sim = (Simulation(rt, cfg, self.model_args, self.plan, precision)
                     if rt.simulated else None)
-        # parallel.sequence=N: groups of N consecutive ranks share each sequence, so the
-        # data-parallel rank is rank // N of plan.world_size = ranks / N
-        self.seq_mpu = eng.init_sequence_parallel(cfg.parallel.sequence)
-        self.dp_rank = rt.rank // cfg.parallel.sequence
+        # parallel.sequence=N: groups of N consecutive ranks share each sequence (the layout's
+        # sequence groups are DeepSpeed's), each group one data-parallel replica
+        self.seq_mpu = eng.init_sequence_parallel(self.layout.sequence_parallel)
+        self.dp_rank = self.layout.dp_rank
         self.engine = self._build_engine()
         self.eos_id = int(self.prepared.meta["tokenizer"]["eos_id"])  # documents end with it
         self.module = TrainModule(self.engine, self.plan, rt.device, cfg.optim, t.max_steps,
                                   vocab_size=self.model_args.vocab_size, eos_id=self.eos_id,
                                   document_mask=t.document_mask, data_dir=self.prepared.dir,
                                   hooks=self.hooks,
-                                  sequence=(eng.sequence_rank(self.seq_mpu), cfg.parallel.sequence))
+                                  sequence=(self.layout.sp_rank, self.layout.sequence_parallel))
         self.loader = TrainLoader(self.prepared.dir, seq_len=t.seq_len,
                                   global_batch=self.plan.global_batch,
                                   micro_batch=self.plan.micro_batch, dp_rank=self.dp_rank,
-                                  dp_world=self.plan.world_size, seed=cfg.data.seed,
+                                  dp_world=self.layout.data_parallel, seed=cfg.data.seed,
                                   num_workers=cfg.data.num_workers,
                                   pin_memory=rt.device_type == "cuda",
                                   data_timeout_s=cfg.comm.timeout_s)
@@ -424,7 +425,7 @@ class Trainer:
             return
         n = count_params(self.model_args)
         p = self.plan
-        sp = self.cfg.parallel.sequence
+        sp = self.layout.sequence_parallel
         log.info("model: %s params (%s non-embedding); %d ranks%s x micro %d x accum %d = global "
                  "batch %d x %d tokens; ZeRO-%d %s on %s; MFU%s against %.3g FLOP/s (%s), "
                  "fixed for the run", f"{n['total']:,}", f"{n['non_embedding']:,}",
@@ -604,7 +605,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.engine.eval()
         sets = eval_sets(self.prepared.dir, t.seq_len, t.micro_batch, t.eval_sequences,
-                         self.dp_rank, self.plan.world_size)
+                         self.dp_rank, self.layout.data_parallel)
         total = torch.zeros(len(sets), 2, dtype=torch.float64)  # per set: [loss sum, tokens]
         with torch.no_grad(), watchdog.phase("eval"):
             for i, (_, _, batches) in enumerate(sets):

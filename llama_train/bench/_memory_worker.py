@@ -210,6 +210,7 @@ def main(argv=None) -> None:
     from llama_train import engine as eng
     from llama_train.comm import CommConfig
     from llama_train.config import DeepSpeedConfig, OptimConfig, TrainerConfig, resolve_batch
+    from llama_train.layout import ParallelLayout
     from llama_train.model import ModelArgs, count_params
     from llama_train.optim import param_groups
     from llama_train.proc import exit_skipping_teardown
@@ -219,10 +220,11 @@ def main(argv=None) -> None:
     eng.init_distributed(CommConfig(), rt.device_type)
     margs = ModelArgs(**json.loads(args.model_json))
     optim = OptimConfig()
-    sp = args.sequence_parallel
+    layout = ParallelLayout(rt.world_size, rt.rank, args.sequence_parallel)  # the trainer's
+    sp = layout.sequence_parallel
     mpu = eng.init_sequence_parallel(sp)  # the trainer's groups (None for 1)
     plan = resolve_batch(TrainerConfig(seq_len=args.seq_len, micro_batch=args.micro_batch),
-                         rt.world_size // sp)
+                         layout.data_parallel)
     ds_cfg = DeepSpeedConfig(zero_stage=args.stage, precision=args.precision,
                              offload_params=args.offload, offload_optimizer=args.offload)
     ds_config = eng.build_ds_config(ds_cfg, optim, plan, rt.device_type, model_dim=margs.dim)
@@ -242,9 +244,9 @@ def main(argv=None) -> None:
     # the trainer's micro-batch: this rank's slice of the sequences and its share of the loss
     module = TrainModule(engine, plan, rt.device, optim, args.steps, vocab_size=margs.vocab_size,
                          eos_id=0, document_mask=False, data_dir="(random tokens)",
-                         sequence=(eng.sequence_rank(mpu), sp))
+                         sequence=(layout.sp_rank, sp))
 
-    g = torch.Generator().manual_seed(rt.rank // sp)  # a sequence group draws the same tokens
+    g = torch.Generator().manual_seed(layout.dp_rank)  # a sequence group draws the same tokens
     x = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), generator=g)
     y = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), generator=g)
     counted, exchanges = _train_steps(eng, engine, module, meter, x, y, args.steps, sp > 1)

@@ -1,0 +1,190 @@
+"""The one place a config becomes a job: :func:`plan_job` turns the config a command composed
+and the runtime it found (:class:`llama_train.engine.Runtime`) into a :class:`JobPlan`, the
+config the job trains with (a simulated rank's switches, the experiment's plan, a resume's kept
+global batch, trainer.init_from's tokenizer), how its ranks share the work
+(:class:`llama_train.layout.ParallelLayout`), the batch and the checkpoint a resume would
+continue. Preflight asks it once and holds the plan (``Preflight.job``); the trainer reads it;
+the dry run, ``--cfg job`` and a --multirun sweep's check ask it for what they show.
+
+Reads files only where a run would (``scope="run"``: the resume's candidate checkpoint,
+init_from's files, the prepared data's meta.json); creates nothing, starts no process group.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+from llama_train.config import (BatchPlan, Config, ConfigError, config_warnings, parallel_layout,
+                                validate)
+from llama_train.layout import ParallelLayout
+
+log = logging.getLogger("llama_train")
+
+SCOPES = ("check", "config", "run")
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """What a job is, decided before any process group exists (:func:`plan_job`)."""
+
+    cfg: Config  # the config the job trains with: every rewrite of plan_job applied
+    runtime: Any  # engine.Runtime: rank, world, device
+    layout: ParallelLayout  # ranks / parallel.sequence replicas, this rank's coordinates
+    batch: BatchPlan  # micro-batch, accumulation, global batch over layout.data_parallel
+    experiment: Any = None  # scaling.ExperimentPlan of experiment=... runs
+    # the checkpoint a resume will most likely load (files only, no checksums; None: a fresh
+    # start); its global batch kept where the config sets none. preflight judges it
+    # (resume.check_resume) once the output dir is known to be usable
+    resume_candidate: Optional[Path] = None
+
+
+def plan_job(cfg: Config, rt: Any, scope: str = "run") -> JobPlan:
+    """The plan of ``cfg`` on runtime ``rt``, each step refusing (ConfigError naming the key
+    and the fix) what cannot run, in this order: a simulated rank's config, the layout, the
+    experiment's plan, the resume's candidate and its global batch, the batch against the world
+    (config.validate, hpZ and MiCS groups within ``rt.local_world_size`` ranks per node),
+    FP8 on this device, the config's warnings (logged), trainer.init_from's weights and
+    tokenizer.
+
+    ``scope`` is how much of that a caller asks for, as each has always asked:
+    ``"run"`` all of it (preflight); ``"config"`` the layout, the experiment's plan and the
+    batch (the dry run, ``--cfg job``); ``"check"`` the layout and the batch of the config as
+    composed (a --multirun sweep's check of each job)."""
+    if scope not in SCOPES:
+        raise ValueError(f"plan_job: scope={scope!r}, not one of {SCOPES}")
+    run = scope == "run"
+    if run and rt.simulated:
+        cfg = simulation_config(cfg)
+    layout = parallel_layout(cfg, rt.world_size, rt.rank)
+    experiment = candidate = None
+    if scope != "check":
+        cfg, experiment = plan_experiment(cfg, layout.data_parallel)
+    if run:
+        candidate = _resume_candidate(cfg)  # looked for once: a file may change between looks
+        cfg = _keep_checkpoint_batch(cfg, candidate, layout.data_parallel, rt.is_main)
+    # ranks per node: hpZ and MiCS groups must fit inside one (deepspeed.zeropp, mics_shard_size)
+    batch = validate(cfg, rt.world_size, rt.device_type, ranks_per_node=rt.local_world_size)
+    if run:
+        # float8: torchao present, FP8 matmuls on this GPU (validate: device, precision)
+        if cfg.float8.enabled:
+            from llama_train.float8 import check_device
+
+            check_device(cfg.float8, rt.device)
+        if rt.is_main:
+            for warning in config_warnings(cfg):
+                log.warning("%s", warning)
+        if cfg.trainer.init_from:
+            from llama_train.hf import check_init_from
+
+            check_init_from(cfg.trainer.init_from, cfg.model)
+            cfg = _init_from_tokenizer(cfg, resuming=candidate is not None, main=rt.is_main)
+    return JobPlan(cfg, rt, layout, batch, experiment, candidate)
+
+
+def simulation_config(cfg):
+    """The config a simulated rank trains with: W&B and the text sample switched off (a W&B
+    run of one rank's numbers, a sample from mirrored weights: both would mislead)."""
+    from dataclasses import replace
+
+    tracking = replace(cfg.tracking, wandb=replace(cfg.tracking.wandb, mode="disabled"))
+    return replace(cfg, tracking=tracking, sample=replace(cfg.sample, tokens=0))
+
+
+def plan_experiment(cfg: Config, world_size: int):
+    """experiment=compute_optimal|inference_optimal|isoflop: the config this run trains with
+    (model shape, steps, warmup from the plan) and the plan; ``cfg`` itself is left alone."""
+    if cfg.scaling.mode == "none":
+        return cfg, None
+    from llama_train.scaling.planners import plan_config
+
+    if cfg.data.val_fraction == 0:
+        raise ConfigError(f"scaling.mode={cfg.scaling.mode} compares runs by their validation "
+                          f"loss, but data.val_fraction=0 leaves no validation split: set "
+                          f"data.val_fraction > 0 (default 0.01).")
+    planned, exp = plan_config(cfg, world_size)
+    log.info("scaling %s", exp.describe())
+    return planned, exp
+
+
+def _resume_candidate(cfg: Config):
+    """The checkpoint a resume will most likely load (files only, no checksums), or None."""
+    from llama_train.checkpoint import resume_candidate
+
+    return resume_candidate(cfg.trainer.output_dir, cfg.trainer.resume)
+
+
+def _keep_checkpoint_batch(cfg: Config, ckpt, world_size: int, main: bool) -> Config:
+    """A resume keeps the checkpoint's global batch (the data order is a function of it) when
+    the user sets none: trainer.global_batch's default, micro_batch x world size, changes with
+    the number of ranks, and a 2-rank run resumed on 1 rank was refused. Gradient accumulation
+    takes up the difference (said in the log); a global batch the user sets is judged as given
+    (a conflicting one is refused by the resume check, with this fix)."""
+    from llama_train.checkpoint import read_state
+
+    t = cfg.trainer
+    if ckpt is None or t.global_batch is not None or t.global_batch_tokens is not None:
+        return cfg
+    saved = int(read_state(ckpt)["global_batch"])
+    per_step = t.micro_batch * world_size
+    if saved == per_step:
+        return cfg
+    if saved % per_step:
+        raise ConfigError(
+            f"checkpoint {ckpt} was trained with a global batch of {saved} sequences, which "
+            f"trainer.micro_batch={t.micro_batch} x {world_size} rank(s) = {per_step} does not "
+            f"divide: set trainer.micro_batch so that micro_batch x ranks divides {saved} (the "
+            f"global batch cannot change within a run), or start a new trainer.output_dir.")
+    if main:
+        log.info("resuming %s: keeping its global batch of %d sequences (trainer.micro_batch=%d "
+                 "x %d rank(s) x %d accumulation steps): the global batch cannot change "
+                 "within a run", ckpt, saved, t.micro_batch, world_size, saved // per_step)
+    return replace(cfg, trainer=replace(t, global_batch=saved))
+
+
+def _init_from_tokenizer(cfg: Config, resuming: bool, main: bool) -> Config:
+    """The config whose data is tokenized with the tokenizer trainer.init_from's weights were
+    trained with (data.tokenizer set to it, unless it names one that tokenizes alike): a
+    tokenizer trained afresh on this run's data gave other ids to the same pieces, and the run
+    trained on them with no error (issue 53). Data already prepared with that very tokenizer
+    (the run that trained the weights: same source, its trained tokenizer) is kept, not
+    prepared again. A resume loads its checkpoint's weights, not init_from's, and
+    resume.check_tokenizer compares the checkpoint's tokenizer with the data's: there the same
+    choice is made (the same command, the same data), but nothing is refused."""
+    from llama_train.data import DataError, find_prepared
+    from llama_train.data.tokenizer import file_sha256
+    from llama_train.hf import check_init_from_tokenizer, init_from_tokenizer_file
+
+    t, d = cfg.trainer, cfg.data
+    if resuming:
+        own = init_from_tokenizer_file(t.init_from)
+        if own is None or d.tokenizer is not None:
+            return cfg
+        tok = str(own)
+    else:
+        tok = check_init_from_tokenizer(t.init_from, d.tokenizer, cfg.model.vocab_size)
+        if d.tokenizer is not None:
+            return cfg
+    sha = file_sha256(tok)
+    try:
+        found = find_prepared(d, vocab_size=cfg.model.vocab_size)  # meta.json only
+    except DataError:  # prepared otherwise: preparing with the tokenizer says what is wrong
+        found = None
+    have = found.meta["tokenizer"].get("sha256") if found is not None else None
+    if have == sha:
+        if main:
+            log.info("trainer.init_from=%s: the data in %s is tokenized with its tokenizer "
+                     "(sha256 %s)", t.init_from, found.dir, sha[:12])
+        return cfg
+    if have is not None and d.prepared_dir and not resuming:
+        raise ConfigError(
+            f"data.prepared_dir={d.prepared_dir} holds data tokenized with tokenizer sha256 "
+            f"{have[:12]}, not the one trainer.init_from={t.init_from} was trained with ({tok}, "
+            f"sha256 {sha[:12]}): its weights would train on another tokenizer's ids. Give "
+            f"another data.prepared_dir (or null) to prepare the data with init_from's tokenizer.")
+    if main:
+        log.info("trainer.init_from=%s: tokenizing the data with its tokenizer %s (sha256 %s), "
+                 "the one its weights were trained with", t.init_from, tok, sha[:12])
+    return replace(cfg, data=replace(d, tokenizer=tok))
