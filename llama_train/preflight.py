@@ -59,14 +59,14 @@ class Preflight:
         """The :class:`~llama_train.resume.ResumeCheck` of the checkpoint the job actually loads:
         preflight's, or (where a newer checkpoint failed its checksums since) that one's, judged
         by the same rules now. None for a fresh start."""
-        from llama_train.checkpoint import read_state
+        from llama_train.checkpoint import CheckpointMeta
         from llama_train.resume import check_resume
 
         if ckpt is None:
             return None
         if self.resume is None or Path(self.resume.checkpoint) != Path(ckpt):
             self.resume = check_resume(
-                ckpt, read_state(ckpt), self.run_config(), self.rt.world_size,
+                ckpt, CheckpointMeta.read(ckpt), self.run_config(), self.rt.world_size,
                 self.plan.global_batch, self.cfg.trainer.allow_config_change,
                 self.prepared.meta["tokenizer"].get("sha256"), self.cfg.comm.simulate)
         return self.resume
@@ -229,12 +229,12 @@ def _keep_checkpoint_batch(cfg: Config, ckpt, world_size: int, main: bool) -> Co
     the number of ranks, and a 2-rank run resumed on 1 rank was refused. Gradient accumulation
     takes up the difference (said in the log); a global batch the user sets is judged as given
     (a conflicting one is refused by the resume check, with this fix)."""
-    from llama_train.checkpoint import read_state
+    from llama_train.checkpoint import CheckpointMeta
 
     t = cfg.trainer
     if ckpt is None or t.global_batch is not None or t.global_batch_tokens is not None:
         return cfg
-    saved = int(read_state(ckpt)["global_batch"])
+    saved = int(CheckpointMeta.read(ckpt).global_batch)
     per_step = t.micro_batch * world_size
     if saved == per_step:
         return cfg
@@ -256,12 +256,12 @@ def _check_resume(cfg: Config, plan: BatchPlan, world_size: int, ckpt):
     :mod:`llama_train.resume` from its files: a resume the run would refuse (another
     run-defining config, global batch or model shape) is refused before data preparation and
     the process group. None: a fresh start."""
-    from llama_train.checkpoint import read_state
+    from llama_train.checkpoint import CheckpointMeta
     from llama_train.resume import check_resume
 
     if ckpt is None:
         return None
-    return check_resume(ckpt, read_state(ckpt), to_container(cfg), world_size,
+    return check_resume(ckpt, CheckpointMeta.read(ckpt), to_container(cfg), world_size,
                         plan.global_batch, cfg.trainer.allow_config_change,
                         simulate=cfg.comm.simulate)
 
