@@ -122,12 +122,12 @@ def _keep_checkpoint_batch(cfg: Config, ckpt, world_size: int, main: bool) -> Co
     the number of ranks, and a 2-rank run resumed on 1 rank was refused. Gradient accumulation
     takes up the difference (said in the log); a global batch the user sets is judged as given
     (a conflicting one is refused by the resume check, with this fix)."""
-    from llama_train.checkpoint import read_state
+    from llama_train.checkpoint import CheckpointMeta
 
     t = cfg.trainer
     if ckpt is None or t.global_batch is not None or t.global_batch_tokens is not None:
         return cfg
-    saved = int(read_state(ckpt)["global_batch"])
+    saved = int(CheckpointMeta.read(ckpt).global_batch)
     per_step = t.micro_batch * world_size
     if saved == per_step:
         return cfg

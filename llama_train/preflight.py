@@ -76,14 +76,14 @@ class Preflight:
         """The :class:`~llama_train.resume.ResumeCheck` of the checkpoint the job actually loads:
         preflight's, or (where a newer checkpoint failed its checksums since) that one's, judged
         by the same rules now. None for a fresh start."""
-        from llama_train.checkpoint import read_state
+        from llama_train.checkpoint import CheckpointMeta
         from llama_train.resume import check_resume
 
         if ckpt is None:
             return None
         if self.resume is None or Path(self.resume.checkpoint) != Path(ckpt):
             self.resume = check_resume(
-                ckpt, read_state(ckpt), self.run_config(), self.rt.world_size,
+                ckpt, CheckpointMeta.read(ckpt), self.run_config(), self.rt.world_size,
                 self.plan.global_batch, self.cfg.trainer.allow_config_change,
                 self.prepared.meta["tokenizer"].get("sha256"), self.cfg.comm.simulate)
         return self.resume
@@ -176,12 +176,12 @@ def _check_resume(cfg: Config, plan: BatchPlan, world_size: int, ckpt):
     :mod:`llama_train.resume` from its files: a resume the run would refuse (another
     run-defining config, global batch or model shape) is refused before data preparation and
     the process group. None: a fresh start."""
-    from llama_train.checkpoint import read_state
+    from llama_train.checkpoint import CheckpointMeta
     from llama_train.resume import check_resume
 
     if ckpt is None:
         return None
-    return check_resume(ckpt, read_state(ckpt), to_container(cfg), world_size,
+    return check_resume(ckpt, CheckpointMeta.read(ckpt), to_container(cfg), world_size,
                         plan.global_batch, cfg.trainer.allow_config_change,
                         simulate=cfg.comm.simulate)
 

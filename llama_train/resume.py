@@ -20,6 +20,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from llama_train import policy
 from llama_train.config import Config, ConfigError, flatten, to_container
 
+if typing.TYPE_CHECKING:
+    from llama_train.checkpoint.meta import CheckpointMeta
+
 log = logging.getLogger("llama_train")
 
 Change = Tuple[str, Any, Any]  # (key, checkpoint's value, this run's value)
@@ -136,25 +139,29 @@ def _sets_shape(change: Change, saved_model: dict) -> bool:
         return True
 
 
-def check_resume(ckpt: Path, saved_state: Dict[str, Any], run_config: Dict[str, Any],
-                 world_size: int, global_batch: int, allowed: Sequence[str],
-                 tokenizer_sha: Optional[str] = None,
+def check_resume(ckpt: Path, saved_state: "CheckpointMeta | Dict[str, Any]",
+                 run_config: Dict[str, Any], world_size: int, global_batch: int,
+                 allowed: Sequence[str], tokenizer_sha: Optional[str] = None,
                  simulate: Optional[Tuple[int, int]] = None) -> ResumeCheck:
-    """Whether ``ckpt`` (its ``trainer_state.json`` already read: ``saved_state``) continues this
+    """Whether ``ckpt`` (its ``trainer_state.json`` already read: ``saved_state``, a
+    :class:`~llama_train.checkpoint.meta.CheckpointMeta` or the file's dict) continues this
     run. Run-defining changes not in ``allowed`` refuse it with all of them listed; a changed
     global batch, model shape or tokenizer (``tokenizer_sha``: of this run's data; None where
     not known yet) always does, and so does a checkpoint of a simulated rank for anything but
     the same simulation (``simulate``: this launch's (N, rank), or None for a real job).
     Raises :class:`ResumeRefused`; returns what goes ahead."""
+    from llama_train.checkpoint.meta import CheckpointMeta
+
+    saved = CheckpointMeta.of(saved_state)
     saved_cfg = _saved_config(ckpt)
     defining, safe = config_changes(saved_cfg, run_config)
     hard: List[Change] = []
-    if saved_state["global_batch"] != global_batch:
+    if saved.global_batch != global_batch:
         hard.append(("global batch (sequences per step, as resolved; leave trainer.global_batch "
                      "and trainer.global_batch_tokens unset to keep the checkpoint's, "
-                     "gradient accumulation adapts)", saved_state["global_batch"], global_batch))
+                     "gradient accumulation adapts)", saved.global_batch, global_batch))
     hard += _tokenizer_change(ckpt, tokenizer_sha)
-    hard += _simulation_change(saved_state, simulate, world_size)
+    hard += _simulation_change(saved, simulate, world_size)
     shape = _shape_change(saved_cfg.get("model"), run_config["model"])
     if shape:  # no allow_config_change can load these weights
         hard.append(("model shape (the checkpoint's weights would not load)",
@@ -167,23 +174,23 @@ def check_resume(ckpt: Path, saved_state: Dict[str, Any], run_config: Dict[str, 
     if refused or hard:
         raise ResumeRefused(_refusal(ckpt, refused, hard))
     return ResumeCheck(Path(ckpt), {k: [old, new] for k, old, new in [*safe, *defining]},
-                       saved_state["world_size"] != world_size and saved_state["zero_stage"] > 0)
+                       saved.world_size != world_size and saved.zero_stage > 0)
 
 
-def _simulation_change(saved: Dict[str, Any], simulate: Optional[Tuple[int, int]],
+def _simulation_change(saved: "CheckpointMeta", simulate: Optional[Tuple[int, int]],
                        world_size: int) -> List[Change]:
     """A simulated rank's checkpoint holds that rank's shard only: only the same simulation
     continues it. A simulation may continue a real checkpoint of its world size (its rank's
     shard is there); another world size would need every rank's shards converted."""
-    theirs = saved.get("simulated")
+    theirs = saved.simulated
     ours = {"ranks": simulate[0], "rank": simulate[1]} if simulate else None
     if theirs == ours:
         return []
     if theirs is None:
-        if saved["world_size"] == world_size:
+        if saved.world_size == world_size:
             return []
         return [("world size (a simulated rank continues a real checkpoint of its own world "
-                 "size only)", saved["world_size"], world_size)]
+                 "size only)", saved.world_size, world_size)]
     what = "a real job" if ours is None else f"simulated rank {ours['rank']} of {ours['ranks']}"
     return [("simulation (a simulated rank's checkpoint holds that rank's shard only; only "
              "the same comm.simulate_ranks and comm.simulate_rank continue it)",

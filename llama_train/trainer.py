@@ -28,9 +28,8 @@ from omegaconf import OmegaConf
 
 from llama_train import engine as eng
 from llama_train import watchdog
-from llama_train.checkpoint import (CheckpointManager, checkpoint_step, prepare_universal,
-                                    read_state, rng_state,
-                                    set_rng_state)
+from llama_train.checkpoint import (CheckpointManager, Fixed, RngState, StateRegistry,
+                                    checkpoint_step, prepare_universal, read_state)
 from llama_train.data import TrainLoader, eval_sets
 from llama_train.faults import FaultInjector, FaultPlan
 from llama_train.flops import PeakFlops, memory_stats
@@ -49,11 +48,6 @@ from llama_train.tracking import Tracker
 from llama_train.train_module import BatchResult, TrainModule
 
 log = logging.getLogger("llama_train")
-
-# How long a rank's background checkpoint write may wait for the other ranks' (their writes and
-# checksums, then rank 0's commit): a write is slower than any collective of the loop.
-_WRITE_TIMEOUT_S = 3600
-
 
 @dataclass
 class TrainState:
@@ -210,8 +204,7 @@ def start(pre, hooks: Sequence[Hook] = ()) -> Optional["Trainer"]:
     async_save = t.async_save and not rt.simulated
     ckpts = CheckpointManager(t.output_dir, t.keep_last, t.verify_checksums, rt.rank,
                               rt.world_size, hooks, lead=rt.is_main, async_save=async_save,
-                              group=eng.checkpoint_group(max(cfg.comm.timeout_s, _WRITE_TIMEOUT_S))
-                              if async_save else None)
+                              comm_timeout_s=cfg.comm.timeout_s)  # and the writer's gloo group
     run_files = (*(() if cfg.tracking.wandb.dir else ("wandb",)),  # default <output_dir>/wandb
                  *(() if cfg.tracking.tensorboard.dir else ("tensorboard",)))
     t0 = time.perf_counter()
@@ -371,6 +364,7 @@ class Trainer:
         self.state = TrainState()
         self.recovery = Recovery(cfg.recovery, self.state, self.tracker,
                                  enabled=not rt.simulated)
+        self._register_parts()
         self.fpt = flops_per_token(self.model_args, t.seq_len)
         # A simulated rank is one process on one device: MFU is its share of each step's tokens
         # against that device's peak (N devices' peak would claim compute it never ran).
@@ -644,11 +638,8 @@ class Trainer:
     def save(self) -> Path:
         """Save this step; with trainer.async_save the write goes on in the background (the
         checkpoint is complete once ``ckpts.wait()`` returns). Returns the checkpoint's path."""
-        step = self.state.step
-        simulated = ({"simulated": {"ranks": self.rt.world_size, "rank": self.rt.rank}}
-                     if self.sim is not None else {})
         with self._phase("save"):
-            path = self._save(step, simulated)
+            path = self._save(self.state.step)
         if self.sim is not None:
             self.sim.saved(path)
         return path
@@ -664,16 +655,34 @@ class Trainer:
                                    durable_s=round(r.durable_s or 0.0, 3),
                                    background=self.ckpts.async_save)
 
-    def _save(self, step: int, extra: Dict[str, Any]) -> Path:
+    def _register_parts(self) -> None:
+        """What a checkpoint carries of the loop (:class:`StateRegistry`), in the order of
+        trainer_state.json's keys: the train state (Recovery's streaks and windows included)
+        at the top level, the data position, the tracker (loaded back by :meth:`resume`, which
+        knows whether the checkpoint is another run's; rewound by a rollback), then the facts
+        of the save a resume is judged by (llama_train.resume), never loaded back. Per rank
+        (``ranks/rank_N.pt``): the RNGs."""
+        rt, sim = self.rt, self.sim
+        self.parts = StateRegistry()
+        self.parts.register("train", self.state, merged=True)
+        self.parts.register("data", self.loader)
+        self.parts.register("tracker", self.tracker, restore=False)
+        self.parts.register("run", Fixed({"world_size": rt.world_size,
+                                          "zero_stage": self.cfg.deepspeed.zero_stage,
+                                          "global_batch": self.plan.global_batch,
+                                          "seq_len": self.cfg.trainer.seq_len}),
+                            merged=True, restore=False)
+        if sim is not None:  # a simulated rank's checkpoint holds its shard only
+            self.parts.register("simulated", Fixed({"ranks": rt.world_size, "rank": rt.rank}),
+                                restore=False)
+        self.rank_parts = StateRegistry()
+        self.rank_parts.register("rng", RngState())
+
+    def _save(self, step: int) -> Path:
         return self.ckpts.save(
             self.engine, step,
-            trainer_state={**self.state.state_dict(), "data": self.loader.state_dict(),
-                           "tracker": self.tracker.state_dict(),
-                           "world_size": self.rt.world_size,
-                           "zero_stage": self.cfg.deepspeed.zero_stage,
-                           "global_batch": self.plan.global_batch,
-                           "seq_len": self.cfg.trainer.seq_len, **extra},
-            rank_state={"rng": rng_state()},
+            trainer_state=self.parts.state_dict(),
+            rank_state=self.rank_parts.state_dict(),
             describe={"config": self.run_config, "model_args": asdict(self.model_args),
                       "tokenizer": self.prepared.tokenizer_path,
                       "tokenizer_sha256": self.prepared.meta["tokenizer"].get("sha256")},
@@ -713,11 +722,10 @@ class Trainer:
         watchdog.note(step=read_state(ckpt)["step"])  # a rank lost while loading is named at it
         with self._phase("load"):
             saved, rank_state = self.ckpts.load(self.engine, ckpt, universal)
-        self.state.load_state_dict(saved)
-        self.loader.load_state_dict(saved["data"])  # the caller starts the next iterator
-        self.source_epochs = self.loader.mixture_epochs()
+        self.parts.load_state_dict(saved)  # the train state, the data position (the caller
+        self.source_epochs = self.loader.mixture_epochs()  # starts the next iterator)
         if rank_state and not universal:
-            set_rng_state(rank_state["rng"])
+            self.rank_parts.load_state_dict(rank_state)  # the RNGs
         return saved
 
     def _roll_back_to(self, ckpt: Path) -> None:

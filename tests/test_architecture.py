@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Dict, FrozenSet, List, Optional, Set
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "llama_train"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 # Import cycles between modules of files this change could not touch (name sets of a strongly
 # connected component). Each entry is a known debt: fix the cycle and delete it here.
@@ -207,7 +209,7 @@ def _layer(name: str) -> str:
     short = name.removeprefix("llama_train.")
     if short == "engine" or short.startswith("engine."):
         return "engine"
-    if short in LOOP:
+    if short.split(".")[0] in LOOP:  # checkpoint/'s modules too
         return "loop"
     if short in FOUNDATION or short.split(".")[0] == "comm":
         return "foundation"
@@ -235,6 +237,25 @@ def test_errors_is_the_bottom(mods):
     m = mods["llama_train.errors"]
     assert not m.internal, m.internal
     assert m.external <= {"__future__", "__future__.annotations"}, m.external
+
+
+# llama_train/checkpoint/, bottom up (the order of its table in docs/architecture.md): a module
+# imports only those before it, never the package itself (whose __init__ imports them all).
+CHECKPOINT = ["errors", "layout", "collective", "disk", "discovery", "meta", "state", "history",
+              "choice", "universal", "consolidated", "writer"]
+
+
+def test_checkpoint_modules_import_only_downward(mods):
+    pkg = "llama_train.checkpoint"
+    found = sorted(n.removeprefix(pkg + ".") for n in mods if n.startswith(pkg + "."))
+    assert found == sorted(CHECKPOINT), f"checkpoint/ holds {found}: list them in CHECKPOINT"
+    rank = {f"{pkg}.{m}": i for i, m in enumerate(CHECKPOINT)}
+    up = sorted(f"{n} -> {t}" for n in rank for t in mods[n].internal
+                if t == pkg or (t in rank and rank[t] >= rank[n]))
+    assert not up, "checkpoint/ modules that import one above them:\n  " + "\n  ".join(up)
+    assert {_layer(n) for n in rank} == {"loop"}
+    documented = re.findall(r"^\| `checkpoint/(\w+)\.py` \|", ARCHITECTURE.read_text(), re.M)
+    assert documented == CHECKPOINT, "docs/architecture.md's checkpoint/ table, in this order"
 
 
 @pytest.mark.parametrize("name", ["llama_train.model", "llama_train.model_ops"])

@@ -52,6 +52,27 @@ def test_host_copy_is_a_snapshot_with_the_original_layout():
     assert torch.equal(copy["a"] + 1.0, state["a"])
 
 
+def test_the_writer_makes_its_own_group_with_the_manager(tmp_path, monkeypatch):
+    """An asynchronous manager makes the background writer's gloo group itself, when it is
+    built (every rank builds it at the same point of start-up: a collective call), its timeout
+    the longer of comm.timeout_s and the write's; a synchronous one makes none."""
+    import llama_train.checkpoint.writer as writer
+    from llama_train.checkpoint import CheckpointManager
+
+    made = []
+    monkeypatch.setattr(writer, "checkpoint_group", lambda timeout_s: made.append(timeout_s)
+                        or f"group{len(made)}")
+    sync = CheckpointManager(str(tmp_path), 2, True, 0, 1, async_save=False, comm_timeout_s=60)
+    assert made == [] and sync.group is None
+    short = CheckpointManager(str(tmp_path), 2, True, 0, 1, async_save=True, comm_timeout_s=60)
+    long = CheckpointManager(str(tmp_path), 2, True, 0, 1, async_save=True,
+                             comm_timeout_s=2 * writer.WRITE_TIMEOUT_S)
+    assert made == [writer.WRITE_TIMEOUT_S, 2 * writer.WRITE_TIMEOUT_S]
+    assert (short.group, long.group) == ("group1", "group2")
+    given = CheckpointManager(str(tmp_path), 2, True, 0, 1, async_save=True, group="mine")
+    assert given.group == "mine" and len(made) == 2
+
+
 def test_an_async_checkpoint_holds_the_bytes_of_a_synchronous_one(tmp_path):
     """ZeRO-1: the model-states file and the optimizer partition, as DeepSpeed writes them."""
     zero = 1

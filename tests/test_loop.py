@@ -13,6 +13,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from helpers import cfg_for, rows, step_rows
 from llama_train.checkpoint import find_latest, read_state
@@ -61,6 +62,24 @@ def test_loop_logs_every_step_with_its_schedule_and_timing(reference):
     # hooks: begin before end, once per step, the logged metrics handed over
     assert [c[:2] for c in hook.calls] == [(k, s) for s in range(1, 9) for k in ("begin", "end")]
     assert "data_wait_s" in hook.calls[1][2]
+
+
+def test_trainer_state_keeps_its_keys(reference):
+    """trainer_state.json (read by resume.py, preflight, llama-bench, tools) and the rank file
+    hold the keys, nesting and order the trainer wrote before its registry of parts."""
+    out, _, _ = reference
+    ckpt = out / "checkpoints" / "step_00000008"
+    state = read_state(ckpt)
+    assert list(state) == ["step", "tokens", "skipped_steps", "rollbacks", "skip_windows",
+                           "fault", "data", "tracker", "world_size", "zero_stage",
+                           "global_batch", "seq_len"]
+    assert list(state["fault"]) == ["loss_ema", "bad_streak", "streak_start"]
+    assert list(state["data"]) == ["consumed_samples", "seed", "seq_len", "global_batch",
+                                   "data_fingerprint"]
+    assert list(state["tracker"]) == ["wandb_run_id", "metrics_lines"]
+    assert (state["step"], state["world_size"], state["zero_stage"]) == (8, 1, 0)
+    rank = torch.load(ckpt / "ranks" / "rank_00000.pt", weights_only=True)
+    assert list(rank) == ["rng"] and {"python", "numpy", "torch"} <= set(rank["rng"])
 
 
 class Pause(Hook):
