@@ -3,7 +3,8 @@
 ``scaling.traffic.planned_traffic`` writes down what DeepSpeed runs; a simulated rank
 (``comm.simulate_ranks``, MirrorGroup counting what it is asked) and real gloo launches
 (``comm.count_traffic=true``, our wrapper around torch.distributed) count it; the three agree
-byte for byte per (phase, kind, group size) at ZeRO-1, 2 and 3. Sequence parallelism cannot be
+byte for byte per (phase, kind, group size) at ZeRO-1, 2 and 3, and with ZeRO++'s hpZ (a simulated
+rank here; the real two-"node" launch in tests/test_zeropp.py). Sequence parallelism cannot be
 simulated (refused with comm.simulate_ranks), so there the plan meets the real launch alone.
 """
 
@@ -70,7 +71,8 @@ def test_hpz_mics_and_quantization_move_bytes_off_the_world_group():
     def world_bytes(r):
         return sum(b for (_, _, g), b in by_key(r["collectives"]).items() if g == 64)
 
-    assert base["exact"] and not hpz["exact"]
+    assert base["exact"] and hpz["exact"]  # hpZ is counted; MiCS and quantization are not
+    assert not mics["exact"] and not q["exact"]
     assert world_bytes(hpz) < world_bytes(base)
     assert world_bytes(mics) < world_bytes(hpz)
     assert q["total_bytes"] < hpz["total_bytes"]
@@ -78,6 +80,28 @@ def test_hpz_mics_and_quantization_move_bytes_off_the_world_group():
         planned_traffic("tiny", world_size=4, zero_stage=2, hpz_partition_size=2)
     with pytest.raises(ScalingError, match="divide"):
         planned_traffic("tiny", world_size=6, zero_stage=3, mics_shard_size=4)
+
+
+def test_hpz_gathers_the_first_forward_over_all_ranks_and_the_rest_within_its_group():
+    """hpZ keeps a secondary partition of each released weight within h ranks until the
+    optimizer step: one forward over N, the a - 1 later forwards and all a backwards within h
+    (counted: a simulated rank below, a real two-"node" launch in test_zeropp.py)."""
+    from llama_train.config import DeepSpeedConfig, ZeroPPConfig
+
+    plain = by_key(planned_traffic("tiny", world_size=6, zero_stage=3, dtype="fp32",
+                                   grad_accum=3)["collectives"])
+    hpz = planned_traffic("tiny", world_size=6, zero_stage=3, dtype="fp32", grad_accum=3,
+                          hpz_partition_size=3)
+    w = plain[("forward", "all_gather", 6)] // 3  # one micro-batch's gathered weights
+    assert by_key(hpz["collectives"]) == {
+        ("forward", "all_gather", 6): w, ("forward", "all_gather", 3): 2 * w,
+        ("backward", "all_gather", 3): 3 * w,
+        **{k: b for k, b in plain.items() if k[1] != "all_gather" or k[0] == "step"}}
+    assert hpz["exact"] and hpz["total_bytes"] == sum(plain.values())
+    # read from our deepspeed config when not given (what a run's plan uses)
+    ds = DeepSpeedConfig(zero_stage=3, zeropp=ZeroPPConfig(hpz_partition_size=3))
+    assert planned_traffic("tiny", world_size=6, zero_stage=3, dtype="fp32", grad_accum=3,
+                           ds=ds)["collectives"] == hpz["collectives"]
 
 
 # -- the counters --------------------------------------------------------------------------------
@@ -159,9 +183,12 @@ def _simulated(tmp_path, world, overrides):
     (3, ["deepspeed.zero_stage=3", "trainer.global_batch=12"]),
     (3, ["deepspeed.zero_stage=2", "deepspeed.precision=bf16"]),
     (3, ["deepspeed.zero_stage=3", "deepspeed.precision=bf16"]),
+    # hpZ within 3 of 6 ranks, 2 micro-batches: the second forward gathers within the 3
+    (6, ["deepspeed.zero_stage=3", "deepspeed.zeropp.hpz_partition_size=3",
+         "trainer.global_batch=24"]),
 ])
 def test_a_simulated_rank_counts_what_the_planner_plans(tmp_path, world, overrides):
-    """3 ranks: every padding shows (tiny's matrices do not divide by 3)."""
+    """3 (and 6) ranks: every padding shows (tiny's matrices do not divide by 3)."""
     traffic, cfg = _simulated(tmp_path, world, overrides)
     assert traffic["all_steps_equal"] and traffic["equal"], traffic
     assert by_key(traffic["rows"]) == _plan_of(cfg, world)

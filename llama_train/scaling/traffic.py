@@ -4,7 +4,8 @@ Plain Python (no torch, no DeepSpeed): the figures are DeepSpeed 0.19.8's, found
 what a rank runs (:mod:`llama_train.comm.counting`: a simulated rank's ``MirrorGroup`` and a
 real 2- and 4-rank gloo launch), then written down here term by term; ``tests/test_traffic.py``
 checks the three agree byte for byte at ZeRO-1, 2 and 3, in fp32 and bf16, with gradient
-accumulation and with sequence parallelism.
+accumulation and with sequence parallelism, and with ZeRO++'s hpZ (a simulated rank and
+``tests/test_zeropp.py``'s two-"node" launch).
 
 Conventions (the counter's): the bytes of a collective are those of the whole buffer it is
 about, ``S`` in the ring formulas (:mod:`llama_train.scaling.steptime`): an all-reduce's tensor,
@@ -53,10 +54,17 @@ their collectives in the same dtype), a = grad_accum micro-batches, pad_k(x) = c
           +1 B in bf16; 8+8 B at ZeRO-3)
   sequence parallel s: all_to_all(s) a * scaling.sequence_parallel_traffic bytes, forward and
           backward (and the recomputed forward with activation checkpointing)
-  hpZ h (not measured here: needs part 3's keys): the backward all-gather within h ranks
-  MiCS m (idem): all-gathers and reduce-scatter within m ranks, then an all_reduce over N/m
-          replicas of the Psi/m gradient shard once per step
-  qwZ (idem): all-gathers of int8 weights, 1 B/element + a 4 B scale per 2048 elements
+  hpZ h (ZeRO-3; counted): the same bytes, W = sum pad_N(numel)*p over non-persistent params,
+          but only the first micro-batch's forward gathers over N: releasing a parameter cuts
+          its secondary partition (pad_N(numel)/h elements) and every later gather until the
+          optimizer step drops it (DeepSpeed's invalidate_secondary_tensor) goes within h:
+          forward all_gather(N) W, forward all_gather(h) (a-1)*W, backward all_gather(h) a*W;
+          reduce-scatter and persistent all-gather over N as ZeRO-3
+  MiCS m (planned from DeepSpeed's design, not counted: this DeepSpeed has no MiCS):
+          all-gathers and reduce-scatter within m ranks, then an all_reduce over N/m replicas
+          of the Psi/m gradient shard once per step
+  qwZ (idem: no CPU quantizer): all-gathers of int8 weights, 1 B/element + a 4 B scale per
+          2048 elements
   qgZ (idem): the reduce-scatter becomes int4 all-to-alls, within the node (Psi/2 B) then
           across nodes (Psi/(2G) B)"""
 
@@ -113,10 +121,10 @@ def planned_traffic(
     zero_overrides: Optional[Dict[str, int]] = None,
     decay_embeddings: bool = False,
     decay_norms_and_biases: bool = False,
-    hpz_partition_size: int = 1,
-    mics_shard_size: int = 0,
-    quantized_weights: bool = False,
-    quantized_gradients: bool = False,
+    hpz_partition_size: Optional[int] = None,
+    mics_shard_size: Optional[int] = None,
+    quantized_weights: Optional[bool] = None,
+    quantized_gradients: Optional[bool] = None,
     gpus_per_node: Optional[int] = None,
 ) -> Dict[str, Any]:
     """The collectives one rank of ``world_size`` runs per optimizer step (:data:`FORMULA`).
@@ -127,8 +135,9 @@ def planned_traffic(
     collectives into calls but do not change their bytes, so only ZeRO-3's persistence
     threshold (which parameters are never gathered) enters the bytes. ``hpz_partition_size``,
     ``mics_shard_size``, ``quantized_weights`` and ``quantized_gradients`` (ZeRO++ and MiCS,
-    ZeRO-3 only) are planned from DeepSpeed's design, not measured (``exact`` is then False);
-    ``gpus_per_node`` places qgZ's two all-to-alls.
+    ZeRO-3 only; default: ``ds.zeropp`` and ``ds.mics_shard_size``, else off): hpZ is counted
+    (exact); MiCS, qwZ and qgZ are planned from DeepSpeed's design, not counted (``exact`` is
+    then False); ``gpus_per_node`` places qgZ's two all-to-alls.
 
     Returns ``collectives`` (rows: phase, kind, group_size, bytes, tensors, what),
     ``bytes_per_kind``, ``bytes_per_phase``, ``total_bytes``, ``exact`` and the settings."""
@@ -141,8 +150,19 @@ def planned_traffic(
         raise ScalingError(f"world_size={world_size}, grad_accum={grad_accum}, sequence_parallel="
                            f"{sequence_parallel}: positive integers, sequence_parallel dividing "
                            f"world_size")
+    zeropp = getattr(ds, "zeropp", None)
+    if hpz_partition_size is None:
+        hpz_partition_size = getattr(zeropp, "hpz_partition_size", 1)
+    if mics_shard_size is None:
+        mics_shard_size = getattr(ds, "mics_shard_size", 0)
+    if quantized_weights is None:
+        quantized_weights = bool(getattr(zeropp, "quantized_weights", False))
+    if quantized_gradients is None:
+        quantized_gradients = bool(getattr(zeropp, "quantized_gradients", False))
     h, m = int(hpz_partition_size or 1), int(mics_shard_size or 0)
     extras = h > 1 or m > 0 or quantized_weights or quantized_gradients
+    # counted: ZeRO-1/2/3, sequence parallelism, hpZ; planned from the design: MiCS, qwZ, qgZ
+    exact = not (m > 0 or quantized_weights or quantized_gradients)
     if extras and zero_stage != 3:
         raise ScalingError("hpZ, MiCS, qwZ and qgZ partition ZeRO-3's weights: zero_stage=3")
     for name, size in (("hpz_partition_size", h), ("mics_shard_size", m or 1)):
@@ -177,8 +197,19 @@ def planned_traffic(
         w_bytes = (gathered_elems * (1 + 4 / QUANT_GROUP) if quantized_weights
                    else gathered_elems * p)
         tag = " (int8 + scales)" if quantized_weights else ""
-        _row(rows, "forward", "all_gather", shard, a * w_bytes, a * len(gathered),
-             f"non-persistent weights, each padded to a multiple of {shard}{tag}")
+        if h > 1:
+            # hpZ: a released parameter keeps a secondary partition within its h ranks until
+            # the optimizer step drops it, so only the first micro-batch's forward gathers
+            # over all N; the later forwards and every backward gather the same bytes within h
+            _row(rows, "forward", "all_gather", shard, w_bytes, len(gathered),
+                 f"non-persistent weights, each padded to a multiple of {shard}{tag}: the "
+                 f"first micro-batch (hpZ's secondary partition is cut as each is released)")
+            _row(rows, "forward", "all_gather", h, (a - 1) * w_bytes, (a - 1) * len(gathered),
+                 f"the later micro-batches' forwards, from hpZ's secondary partition within "
+                 f"{h} ranks")
+        else:
+            _row(rows, "forward", "all_gather", shard, a * w_bytes, a * len(gathered),
+                 f"non-persistent weights, each padded to a multiple of {shard}{tag}")
         _row(rows, "backward", "all_gather", h if h > 1 else shard, a * w_bytes,
              a * len(gathered),
              "the same again for the backward" + (f", from hpZ's secondary partition within "
@@ -217,7 +248,7 @@ def planned_traffic(
         "bytes_per_kind": bytes_per(rows, "kind"),
         "bytes_per_phase": bytes_per(rows, "phase"),
         "total_bytes": sum(r["bytes"] for r in rows),
-        "exact": not extras,
+        "exact": exact,
         "n_params": psi, "world_size": n, "zero_stage": zero_stage, "dtype": dtype,
         "grad_accum": a, "sequence_parallel": sp, "hpz_partition_size": h,
         "mics_shard_size": m, "quantized_weights": bool(quantized_weights),
