@@ -217,6 +217,6 @@ def _why(best: Optional[Dict[str, Any]], rows: List[Dict[str, Any]], limit: floa
         out.append(f"{f['choice']}{' + checkpointing' if f['checkpointing'] else ''} would be "
                    f"faster but needs {f['peak_bytes'] / gib:.1f} GiB")
     if not best["exact_traffic"]:
-        out.append("its traffic (hpZ/MiCS/qwZ/qgZ) is planned from DeepSpeed's design, not "
+        out.append("its traffic (MiCS/qwZ/qgZ) is planned from DeepSpeed's design, not "
                    "counted on this code path")
     return "; ".join(out)
