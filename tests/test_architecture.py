@@ -209,7 +209,7 @@ def _layer(name: str) -> str:
         return "engine"
     if short in LOOP:
         return "loop"
-    if short in FOUNDATION or short.split(".")[0] == "comm":
+    if short in FOUNDATION or short.split(".")[0] in ("comm", "config"):
         return "foundation"
     return "other"
 
