@@ -211,7 +211,7 @@ def _layer(name: str) -> str:
         return "engine"
     if short.split(".")[0] in LOOP:  # checkpoint/'s modules too
         return "loop"
-    if short in FOUNDATION or short.split(".")[0] == "comm":
+    if short in FOUNDATION or short.split(".")[0] in ("comm", "config"):
         return "foundation"
     return "other"
 

@@ -67,9 +67,9 @@ def refused(*overrides, world=4, device="cpu", per_node=2) -> str:
 @pytest.fixture
 def mics_available(monkeypatch):
     """As if this DeepSpeed had MiCS and our build used it: the checks after that one."""
-    import llama_train.config as config
+    import llama_train.config.validation as validation  # where validate looks it up
 
-    monkeypatch.setattr(config, "mics_unavailable", lambda: None)
+    monkeypatch.setattr(validation, "mics_unavailable", lambda: None)
 
 
 # -- the checks ----------------------------------------------------------------------------------
