@@ -110,7 +110,7 @@ def _traffic_and_step_time(ns: argparse.Namespace, res: Dict[str, Any]) -> None:
              r["what"]] for r in t["collectives"]]
     print(_table(rows, ["phase", "collective", "ranks", "bytes", "ms", "what"]))
     print("per kind: " + ", ".join(f"{k} {_gib(v)}" for k, v in t["traffic_bytes_per_step"].items())
-          + ("" if t["traffic_exact"] else " (hpZ/MiCS/qwZ/qgZ: planned from DeepSpeed's design, "
+          + ("" if t["traffic_exact"] else " (MiCS/qwZ/qgZ: planned from DeepSpeed's design, "
              "not counted)"))
     print(f"compute {t['compute_s']:.3f} s ({t['tokens_per_rank']:,.0f} tokens at "
           f"{st['peak_flops'] / 1e12:g} TFLOP/s x MFU {st['mfu']:.3g}"
