@@ -21,7 +21,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -29,11 +28,13 @@ import hydra
 from omegaconf import DictConfig
 
 from llama_train.config import Config, ConfigError, load_config
+from llama_train.config_source import ConfigSource, _cli_overrides, config_source
 from llama_train.errors import BadInput
 from llama_train.hooks import Hook
-from llama_train.paths import CONFIG_DIR
+from llama_train.paths import CONFIG_DIR  # noqa: F401 - read here by programs and tests
 from llama_train.preflight import preflight, setup_logging
 from llama_train.proc import exit_skipping_teardown, limit_retained_heap
+from llama_train.sweep import _check_sweep, _register_sweep_subdir, sweep_job_dir
 from llama_train.util import free_bytes, say_error, within
 
 log = logging.getLogger("llama_train")
@@ -161,6 +162,9 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
     return result["val_loss"]
 
 
+_source: Optional[ConfigSource] = None  # this process's: _job_command records its flags
+
+
 def _job_command() -> Optional[str]:
     """This job's command line: ``llama-train`` and its overrides (one job's own values under
     --multirun), so a sweep's point can be rerun alone (recorded in run_info.json)."""
@@ -237,102 +241,6 @@ def _unwritable(e: OSError, output_dir: str) -> str:
             f"Stopped; {kept}. {fix} and relaunch: {then}.")
 
 
-def sweep_job_dir(cfg: Config, dcfg: DictConfig):
-    """(config, job name): under --multirun each job trains in its own directory, so no job of a
-    sweep resumes another's checkpoint or trains inside another run's directory, and rerunning
-    the sweep resumes each job where it stopped:
-
-    * Hydra's job directory, ``<hydra.sweep.dir>/<hydra.sweep.subdir>``: ``multirun/<this job's
-      swept key=value,...>`` (configs/config.yaml; :func:`sweep_subdir`), or any layout set with
-      those two keys;
-    * ``<trainer.output_dir>/<swept key=value,...>`` where the command line names
-      trainer.output_dir (the sweep's own root);
-    * trainer.output_dir as it is (name None) where it already differs per job: swept itself,
-      or built from a swept key or Hydra's job directory (``${hydra:job.num}``).
-
-    Outside --multirun: left alone (name None)."""
-    import re
-
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import OmegaConf
-
-    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
-        return cfg, None
-    hc = HydraConfig.get()
-    swept = _swept_keys()
-    raw = str(OmegaConf.to_container(dcfg.trainer, resolve=False)["output_dir"])
-    # an interpolation of a swept key: ${optim.lr}, ${sci:${scaling.flops}}, ${model.dim}
-    refers = any(re.search(r"\$\{[^{}]*" + re.escape(k) + r"\b", raw) for k in swept)
-    name = None
-    if "trainer.output_dir" in swept or "hydra" in raw or refers:
-        out = cfg.trainer.output_dir
-    elif any(o.lstrip("+~").split("=")[0] == "trainer.output_dir" for o in hc.overrides.task):
-        name = sweep_subdir()
-        out = os.path.join(cfg.trainer.output_dir, name)
-    else:
-        name, out = sweep_subdir(), os.path.join(str(hc.sweep.dir), str(hc.sweep.subdir))
-        sweep = OmegaConf.to_container(hc.sweep, resolve=False)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "now:" in f"{sweep}":
-            raise ConfigError(
-                f"hydra.sweep.dir={sweep['dir']} hydra.sweep.subdir={sweep['subdir']}: each rank "
-                f"of the launcher resolves ${{now:...}} at its own start, so the ranks could "
-                f"train in different directories. Name the sweep's directory instead "
-                f"(hydra.sweep.dir=multirun/lr-study), or give trainer.output_dir=<dir>.")
-    if not within(out, hc.runtime.output_dir):
-        # Hydra created the job's directory before the job; this job trains elsewhere, so an
-        # empty directory named like the job would only mislead (every rank: rmdir is atomic)
-        try:
-            os.rmdir(hc.runtime.output_dir)
-        except OSError:  # holds files (another run's), or another rank removed it
-            pass
-    if out == cfg.trainer.output_dir:
-        return cfg, None
-    return replace(cfg, trainer=replace(cfg.trainer, output_dir=out)), name
-
-
-def _register_sweep_subdir() -> None:
-    """``${llama_train.sweep_subdir:}``, which configs/config.yaml's hydra.sweep.subdir names
-    (:func:`sweep_subdir`; outside a job, where Hydra prints its config: the job's number)."""
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
-
-    def subdir() -> str:
-        if not HydraConfig.initialized() or OmegaConf.is_missing(HydraConfig.get().job, "num"):
-            return "${hydra.job.num}"  # --cfg hydra --resolve: no job
-        return sweep_subdir()
-
-    OmegaConf.register_new_resolver("llama_train.sweep_subdir", subdir, replace=True)
-
-
-def _swept_keys() -> set:
-    """The keys (or config groups) this command line sweeps (``optim.lr=1e-3,2e-3``)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(_cli_overrides(sys.argv[1:]))
-    return {o.key_or_group for o in parsed if o.is_sweep_override()}
-
-
-def sweep_subdir() -> str:
-    """A --multirun job's directory name, ``hydra.sweep.subdir``'s default
-    (``${llama_train.sweep_subdir:}`` in configs/config.yaml): the job's swept overrides,
-    ``optim.lr=0.001`` or ``model=tiny,optim.lr=0.001`` (``/`` in a value becomes ``_``; over
-    120 characters, a prefix and a hash); the job's number where the command line sweeps
-    nothing (a sweep of the config's own hydra.sweeper.params). The same on every rank and on
-    every rerun of the sweep: the ranks of a job share it, a rerun resumes it."""
-    import hashlib
-
-    from hydra.core.hydra_config import HydraConfig
-
-    hc = HydraConfig.get()
-    swept = _swept_keys()
-    parts = [o.lstrip("+~") for o in hc.overrides.task if o.lstrip("+~").split("=")[0] in swept]
-    name = (",".join(parts) or str(hc.job.num)).replace(os.sep, "_")
-    if len(name) > 120:  # a file name has at most 255 bytes
-        name = f"{name[:100]}-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
-    return name
-
-
 def _exit_lost_rank(comm: BaseException, timeout_s: float, step: Optional[int]) -> None:
     """A collective failed: say which rank is gone (as far as the store can tell) and exit at
     once; the process group is broken and a clean shutdown could block on it."""
@@ -372,88 +280,6 @@ def _exit_lost_rank(comm: BaseException, timeout_s: float, step: Optional[int]) 
     exit_skipping_teardown(EXIT_LOST_RANK)
 
 
-def _check_sweep(overrides: List[str], source: "ConfigSource") -> None:
-    """--multirun: compose and check every job's config before the first job starts, so a bad
-    point of a sweep is named (with its overrides) at once instead of ending the sweep after the
-    jobs before it ran. Each group's own checks and those against the world size; what needs
-    the data or a checkpoint is still checked by each job. Composed from the config the jobs
-    compose (``source``: a run's saved config.yaml on a rerun)."""
-    from hydra import compose, initialize_config_dir
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from llama_train.config import explain_composition_error
-    from llama_train.engine import Runtime
-    from llama_train.plan import plan_job
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-    except Exception:  # noqa: BLE001 - Hydra itself reports a command line it cannot parse
-        return
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = os.environ.get("DS_ACCELERATOR") or ("cuda" if _cuda_available() else "cpu")
-    # rank 0's view of the launch the jobs run in (what they share: the layout, the batch);
-    # ranks per node as a job reads them (engine.detect_runtime)
-    rt = Runtime(device, 0, 0, world,
-                 int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world))))
-    bad = []
-    GlobalHydra.instance().clear()
-    before = HydraConfig.instance().cfg
-    try:
-        with initialize_config_dir(config_dir=str(source.dir), version_base=None):
-            for n, job in enumerate(jobs):
-                try:
-                    own = [o for o in job if not o.lstrip("+~").startswith("hydra")]
-                    full = compose(source.name, [*source.search, *own], return_hydra_config=True)
-                    cfg = load_config(_as_sweep_job(full, n))
-                    plan_job(cfg, rt, scope="check")
-                except Exception as e:  # noqa: BLE001 - composition errors and bad input
-                    msg = explain_composition_error(e) or (str(e) if isinstance(e, BadInput)
-                                                            else None)
-                    if msg is None:
-                        raise
-                    bad.append(f"job {n} ({' '.join(job)}): {msg}")
-    finally:
-        GlobalHydra.instance().clear()
-        HydraConfig.instance().cfg = before
-    if bad:
-        _fail(EXIT_BAD_INPUT, ConfigError(
-            f"{len(bad)} of the {len(jobs)} jobs of this --multirun sweep cannot run; none was "
-            f"started. " + " | ".join(bad)))
-
-
-def _as_sweep_job(full: DictConfig, num: int) -> DictConfig:
-    """A composed config (with its hydra node) as job ``num`` of the sweep sees it: Hydra's
-    config set as Hydra sets it before a job, so an interpolation such as
-    ``trainer.output_dir=runs/${hydra:job.num}`` resolves; returned without the hydra node."""
-    import copy
-
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict, read_write
-
-    with read_write(full.hydra), open_dict(full.hydra):
-        full.hydra.job.num = num
-    HydraConfig.instance().set_config(full)
-    hc = HydraConfig.get()
-    with read_write(full.hydra), open_dict(full.hydra):
-        full.hydra.runtime.output_dir = os.path.abspath(
-            os.path.join(str(hc.sweep.dir), str(hc.sweep.subdir)))
-    HydraConfig.instance().set_config(full)
-    task = copy.deepcopy(full)
-    with read_write(task), open_dict(task):
-        del task["hydra"]
-    return task
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _fail(code: int, e: BaseException) -> None:
     say_error(str(e))
     raise SystemExit(code) from None
@@ -490,151 +316,6 @@ def _dump_stacks_on_sigusr1() -> None:
         pass
 
 
-# ------------------------------------------------------------------------------------------------
-# Where the primary config comes from
-
-
-@dataclass(frozen=True)
-class ConfigSource:
-    """This command's primary config: the package's configs/, or the ``--config-dir`` that holds
-    the ``--config-name`` file (a run's saved config.yaml)."""
-
-    dir: Path
-    name: str
-    argv: List[str]  # the command line Hydra reads
-    search: Tuple[str, ...] = ()  # the hydra.searchpath override that keeps configs/'s groups
-    flags: Tuple[str, ...] = ()  # --config-dir and --config-name as given (run_info's command)
-
-
-_source: Optional[ConfigSource] = None  # this process's: _job_command records its flags
-
-
-def _cli(argv: List[str]) -> Any:
-    """Hydra's own reading of a command line (its argparse namespace), or None where it cannot
-    read it: Hydra then says why itself."""
-    import contextlib
-    import io
-
-    from hydra._internal.utils import get_args_parser
-
-    try:
-        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            return get_args_parser().parse_args(argv)
-    except SystemExit:
-        return None
-
-
-def _cli_overrides(argv: List[str]) -> List[str]:
-    """The overrides of a command line, without Hydra's flags and their values (the path after
-    --config-dir is no override)."""
-    args = _cli(argv)
-    return list(args.overrides) if args is not None else [a for a in argv if not a.startswith("-")]
-
-
-def _override_value(value: Any) -> str:
-    """A YAML scalar written as a Hydra override's value."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def _package_hydra_settings() -> List[str]:
-    """The Hydra settings of the package's config.yaml (no run directory, no .hydra/, no Hydra
-    logging) as overrides, for a primary config that has none: a run's saved config.yaml."""
-    from omegaconf import OmegaConf
-
-    pkg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml"), resolve=False)
-    out = [f"{k.removeprefix('override ').strip()}={v}" for d in pkg.get("defaults", [])
-           if isinstance(d, dict) for k, v in d.items() if k.startswith("override hydra/")]
-
-    def walk(node: Dict[str, Any], key: str) -> None:
-        for k, v in node.items():
-            if isinstance(v, dict):
-                walk(v, f"{key}.{k}")
-            else:
-                out.append(f"{key}.{k}={_override_value(v)}")
-
-    walk(pkg.get("hydra") or {}, "hydra")
-    return out
-
-
-def _refuse_group_overrides(overrides: List[str], file: Path) -> None:
-    """``model=llama3_8b`` on a rerun: a saved config.yaml is resolved, with no defaults list,
-    so Hydra could only refuse the choice (or, with ``+``, merge the preset's keys into the
-    run's, keeping any it does not set). Refused here, with what to do instead."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except Exception:  # noqa: BLE001 - Hydra itself reports a command line it cannot parse
-        return
-    for o in parsed:
-        group = o.key_or_group
-        if o.is_delete() or group.startswith("hydra") or not (CONFIG_DIR / group).is_dir():
-            continue
-        raise ConfigError(
-            f"{o.input_line}: {file} is a run's resolved config, with no config groups to "
-            f"choose from. Set its {group} keys one by one instead ({group}.<key>=value; "
-            f"--cfg job lists them), or train the preset from the package's configs: "
-            f"llama-train {o.input_line.lstrip('+')} ... without --config-dir.")
-
-
-def config_source(argv: List[str]) -> ConfigSource:
-    """Where ``argv``'s primary config comes from, and the command line to give Hydra.
-
-    Hydra searches hydra.main's config_path (the package's configs/) before ``--config-dir``,
-    so the package's config.yaml shadowed a run's: ``llama-train --config-dir <run dir>
-    --config-name config`` trained the defaults. Where the directory holds that file it becomes
-    the primary config directory; configs/ stays on the search path after it (its groups), and
-    a file without Hydra settings (a saved config.yaml) gets the package's. A directory without
-    the file is refused where it would have trained the package's config.yaml unasked: a
-    --config-name given, or no config groups in it either."""
-    from omegaconf import OmegaConf
-
-    args = _cli(argv)
-    name = (args.config_name if args is not None else None) or "config"
-    package = ConfigSource(CONFIG_DIR, name, list(argv))
-    if args is None or args.config_dir is None or args.config_path is not None:
-        return package
-    d = Path(args.config_dir)
-    if not d.is_dir():  # Hydra says so (SearchPathException)
-        return package
-    file = d / (name if name.endswith(".yaml") else f"{name}.yaml")
-    if not file.is_file():
-        # a directory of config groups, the primary config left to configs/: Hydra's own order
-        if args.config_name is None and any(d.glob("*/*.yaml")):
-            return package
-        raise ConfigError(
-            f"--config-dir {d} holds no {file.name}: give the output_dir of a run that wrote "
-            f"its config.yaml (--config-name config), or, for a directory of config groups, "
-            f"no --config-name.")
-    try:
-        raw = OmegaConf.load(file)
-    except Exception:  # noqa: BLE001 - Hydra reports what is wrong with the file
-        raw = None
-    own = isinstance(raw, DictConfig) and ("defaults" in raw or "hydra" in raw)
-    if not own:
-        _refuse_group_overrides(args.overrides, file)
-    paths = [*(OmegaConf.select(raw, "hydra.searchpath", default=None) or [] if own else []),
-             f"file://{CONFIG_DIR.absolute()}"]
-    search = f"hydra.searchpath=[{','.join(_override_value(p) for p in paths)}]"
-    extra = [search, *([] if own else _package_hydra_settings())]
-    overrides = list(args.overrides)
-    at = next((i for i in range(len(argv) - len(overrides), -1, -1)
-               if argv[i:i + len(overrides)] == overrides), 0) if overrides else 0
-    new = [*argv[:at], *extra, *argv[at:]]
-    check = _cli(new)
-    if check is None or list(check.overrides) != [*extra, *overrides]:
-        raise ConfigError("cannot read this command line: give Hydra's flags (--config-dir, "
-                          "--config-name) before the overrides.")
-    return ConfigSource(d.absolute(), name, new, (search,),
-                        ("--config-dir", args.config_dir, "--config-name", name))
-
-
 def main(hooks: Sequence[Hook] = ()) -> None:
     """``llama-train``: Hydra overrides from argv; ``hooks`` for programs that embed the trainer
     (``llama-bench train``)."""
@@ -652,7 +333,10 @@ def main(hooks: Sequence[Hook] = ()) -> None:
     sys.argv = [sys.argv[0], *source.argv]
     _register_sweep_subdir()
     if "--multirun" in sys.argv or "-m" in sys.argv:
-        _check_sweep(_cli_overrides(given), source)
+        try:
+            _check_sweep(_cli_overrides(given), source)
+        except ConfigError as e:  # a job of the sweep that cannot run, named
+            _fail(EXIT_BAD_INPUT, e)
     overrides = _job_config_request(sys.argv[1:])
     if overrides is not None:  # --cfg job: the config the run trains with, not the composed one
         from llama_train.dry_run import print_job_config

@@ -180,12 +180,14 @@ def test_cfg_job_turns_only_bad_input_into_exit_2(monkeypatch, capsys):
 def test_a_sweeps_check_turns_only_bad_input_into_exit_2(tmp_path, monkeypatch, capsys):
     """--multirun checks every job's config first: a ConfigError names the job (exit 2), a bare
     ValueError there is a bug and propagates."""
+    import llama_train.sweep as sweep_mod  # where the sweep check loads each job's config
+
     argv = ["--multirun", *TINY, f"trainer.output_dir={tmp_path}", "optim.lr=1e-3,2e-3"]
-    monkeypatch.setattr(train_mod, "load_config", _raising(ConfigError("optim.lr: no")))
+    monkeypatch.setattr(sweep_mod, "load_config", _raising(ConfigError("optim.lr: no")))
     code, text = run_main(argv, monkeypatch, capsys, port=False)
     assert code == 2 and "2 of the 2 jobs of this --multirun sweep cannot run" in text, text
     bug = ValueError("bug in a check")
-    monkeypatch.setattr(train_mod, "load_config", _raising(bug))
+    monkeypatch.setattr(sweep_mod, "load_config", _raising(bug))
     with pytest.raises(ValueError) as e:
         run_main(argv, monkeypatch, capsys, port=False)
     assert e.value is bug
