@@ -62,8 +62,11 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
     run included in the best). With ``budget_s``, it stops early once that much time has gone
     and three runs are done: a bf16 matmul on a CPU without bf16 units takes ~1 s here, and
     best of 21 held every rank's start-up for 20-100 s."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # its own generator: the global RNG a run seeds and saves in its checkpoints stays as it was
+    # (the first run on a machine measures, later ones read the cache: each saved the same state)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     best, start = float("inf"), time.perf_counter()
     for i in range(repeats + 1):
         if device.type == "cuda":

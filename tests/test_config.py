@@ -247,3 +247,17 @@ def test_a_runs_saved_config_file_composes_onto_the_schema(tmp_path):
             dcfg = compose("config")
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(dcfg)
+
+
+def test_measuring_the_peak_leaves_the_global_rng_alone():
+    """The first run on a machine measures the peak (a matmul of random matrices), later runs
+    read it from the cache: the RNG state a run seeds and saves in its checkpoints must not
+    depend on which of the two it was (tests/test_async_save.py compares a run's saved bytes)."""
+    import torch
+
+    from llama_train.flops import measure_matmul_flops
+
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    measure_matmul_flops(torch.device("cpu"), n=64, repeats=1)
+    assert torch.equal(torch.get_rng_state(), before)
