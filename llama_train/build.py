@@ -15,7 +15,6 @@ DeepSpeed's initialize): keep it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from llama_train.proc import stop_with_launcher
 from llama_train.records import RunInfo
 from llama_train.recovery import Recovery
 from llama_train.resume import ResumeCheck, log_changes
-from llama_train.simulation import Simulation, metered
+from llama_train.simulation import NoSimulation, Simulation, metered, simulation_of
 from llama_train.summary import already_complete
 from llama_train.tracking import Tracker
 from llama_train.train_module import TrainModule
@@ -66,6 +65,7 @@ class Components:
     run_config: Any  # the config as the run records it (config.yaml, checkpoints, W&B)
     precision: str
     sim: Optional[Simulation]  # comm.simulate_ranks: this rank's measurements
+    simulation: NoSimulation  # the loop's points of a simulated rank (SimulationReport), or none
     seq_mpu: Any  # the layout's sequence groups (DeepSpeed's mpu; None without parallel.sequence)
     engine: Any  # eng.Engine, metered when simulated or counting traffic
     module: TrainModule
@@ -131,10 +131,11 @@ def build_job(pre, job: Resolved) -> Components:
     precision = eng.resolve_precision(cfg.deepspeed, rt.device_type)
     # comm.simulate_ranks: this rank's phases measured (the idle baseline is read here)
     sim = Simulation(rt, cfg, model_args, plan, precision) if rt.simulated else None
+    simulation = simulation_of(sim)
     # parallel.sequence=N: groups of N consecutive ranks share each sequence (the layout's
     # sequence groups are DeepSpeed's), each group one data-parallel replica
     seq_mpu = eng.init_sequence_parallel(layout.sequence_parallel)
-    engine = _build_engine(pre, resume, sim, seq_mpu, hooks)
+    engine = _build_engine(pre, resume, sim, simulation.phase, seq_mpu, hooks)
     eos_id = int(prepared.meta["tokenizer"]["eos_id"])  # documents end with it
     module = TrainModule(engine, plan, rt.device, cfg.optim, t.max_steps,
                          vocab_size=model_args.vocab_size, eos_id=eos_id,
@@ -153,13 +154,13 @@ def build_job(pre, job: Resolved) -> Components:
     # against that device's peak (N devices' peak would claim compute it never ran).
     peak = PeakFlops(rt.device, precision, 1 if rt.simulated else rt.world_size, t.peak_flops)
     return Components(hooks=hooks, ckpts=job.ckpts, resume=resume, run_config=run_config,
-                      precision=precision, sim=sim, seq_mpu=seq_mpu, engine=engine,
+                      precision=precision, sim=sim, simulation=simulation, seq_mpu=seq_mpu, engine=engine,
                       module=module, loader=loader, tracker=tracker, state=state,
                       recovery=recovery, fpt=fpt, peak=peak)
 
 
-def _build_engine(pre, resume: Optional[ResumeCheck], sim: Optional[Simulation], seq_mpu,
-                  hooks: List[Hook]) -> eng.Engine:
+def _build_engine(pre, resume: Optional[ResumeCheck], sim: Optional[Simulation], phase,
+                  seq_mpu, hooks: List[Hook]) -> eng.Engine:
     """The model (``trainer.init_from``'s weights on a fresh start), wrapped by DeepSpeed;
     CompileWatch added to ``hooks`` on rank 0 when the blocks are compiled."""
     from llama_train.hf import check_init_from, read_init_from
@@ -167,7 +168,6 @@ def _build_engine(pre, resume: Optional[ResumeCheck], sim: Optional[Simulation],
     cfg, rt, model_args = pre.cfg, pre.rt, pre.model_args
     t, zero = cfg.trainer, cfg.deepspeed.zero_stage
     universal = resume is not None and resume.universal
-    phase = sim.phase if sim is not None else (lambda name: contextlib.nullcontext())
     ds_config = eng.build_ds_config(cfg.deepspeed, cfg.optim, pre.plan, rt.device_type,
                                     universal=universal, model_dim=model_args.dim)
     with phase("build"):

@@ -12,7 +12,6 @@ and builds the Trainer.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import signal
@@ -38,7 +37,6 @@ from llama_train.proc import job_command, launcher_gone
 from llama_train.progress import Interval, Progress
 from llama_train.records import RUN_INFO_FILE, RunInfo
 from llama_train.sample import generate_sample
-from llama_train.simulation import format_table, rename_losses
 from llama_train.summary import duration, end_of_run
 from llama_train.train_module import BatchResult
 from llama_train.train_state import TrainState
@@ -118,25 +116,20 @@ class Trainer:
         self.resume_s: Dict[str, float] = dict(resume.seconds) if resume is not None else {}
         self.universal = resume is not None and resume.universal
         self.run_config = parts.run_config
-        self.sim = parts.sim
+        self.sim = parts.sim  # its checkpoints say so (_register_parts)
+        self.simulation = parts.simulation  # a simulated rank's measurements and names, or none
         self.seq_mpu = parts.seq_mpu
         self.dp_rank = self.layout.dp_rank
         self.engine, self.module, self.loader = parts.engine, parts.module, parts.loader
         self.tracker, self.state, self.recovery = parts.tracker, parts.state, parts.recovery
         self._register_parts()
         self.fpt, self.peak = parts.fpt, parts.peak
-        # A simulated rank is one process on one device: MFU is its share of each step's tokens
-        self.own_share = 1 / rt.world_size if rt.simulated else 1.0
         self.losses: Dict[int, float] = {}
         self.val_loss: Optional[float] = None
         # data.val_fraction=0: no validation split, so no evaluation (said once at start)
         self.has_val = self.prepared.meta["splits"].get("val", {}).get("tokens", 0) > 0
         self.source_epochs = self.loader.mixture_epochs()  # data.mixture: noted as they change
         self._log_start(parts.precision)
-
-    def _phase(self, name: str):
-        """A phase a simulated rank measures (comm.simulate_ranks); nothing otherwise."""
-        return self.sim.phase(name) if self.sim is not None else contextlib.nullcontext()
 
     def _log_start(self, precision: str) -> None:
         if not self.rt.is_main:
@@ -151,9 +144,7 @@ class Trainer:
                  f" / sequence parallel {sp}" if sp > 1 else "", p.micro_batch, p.grad_accum,
                  p.global_batch, p.seq_len,
                  self.cfg.deepspeed.zero_stage, precision, self.rt.device_type,
-                 "" if self.sim is None else
-                 f" of this simulated rank (its 1/{self.rt.world_size} of each step's tokens; "
-                 f"tok/s counts the job's tokens at its pace, collectives local) on one device",
+                 self.simulation.mfu_note,
                  self.peak.value, self.peak.source)
         if not self.has_val:
             log.warning("data.val_fraction=%g: the data has no validation split, so there is no "
@@ -280,7 +271,7 @@ class Trainer:
         grad_norm = b.result.grad_norm
         # between records (a slow step): the interval so far, on the console only
         speed = self.interval.take(s.tokens) if record else self.interval.peek(s.tokens)
-        mfu = self.peak.mfu(self.fpt * speed["tokens_per_s"] * self.own_share)
+        mfu = self.peak.mfu(self.fpt * speed["tokens_per_s"] * self.simulation.own_share)
         if not record:
             self._step_line(out, speed, mfu)
             return {}
@@ -290,8 +281,7 @@ class Trainer:
         mixture = self.loader.mixture_tokens()
         if mixture is not None:  # data.mixture: cumulative tokens per source
             metrics["mixture_tokens"] = mixture
-        if self.sim is not None:  # one rank's loss, not the job's
-            metrics = rename_losses(metrics)
+        metrics = self.simulation.metrics(metrics)  # a simulated rank's: rank_loss
         self.tracker.log(s.step, metrics)
         if mfu > 1.0 and self.rt.is_main:  # every time: an MFU above 100% is never true
             log.warning("MFU %.0f%% > 100%% at step %d: the peak of %.3g FLOP/s (%s) is too low "
@@ -307,7 +297,7 @@ class Trainer:
         s, b, grad_norm = self.state, out.batch, out.batch.result.grad_norm
         log.info("step %5d/%d | %s %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | mfu %.1f%% | "
                  "%d steps in %.1fs (median %.2fs) | eta %s", s.step, self.cfg.trainer.max_steps,
-                 "loss" if self.sim is None else "rank_loss (simulated)", b.loss, b.lr,
+                 self.simulation.loss_label, b.loss, b.lr,
                  grad_norm if grad_norm is not None else float("nan"),
                  speed["tokens_per_s"], 100 * mfu, speed["interval_steps"],
                  speed["interval_s"], speed["step_time_s"], self.progress.eta(s.step))
@@ -350,10 +340,9 @@ class Trainer:
         seconds = time.perf_counter() - t0
         record = {"val_loss": self.val_loss, "val_ppl": ppl, **metrics, "val_tokens": tokens,
                   "val_time_s": seconds}
-        self.tracker.log(self.state.step,
-                         record if self.sim is None else rename_losses(record))
+        self.tracker.log(self.state.step, self.simulation.metrics(record))
         log.info("step %5d | %sval_loss %.4f | val_ppl %.2f | %d tokens in %.1fs%s",
-                 self.state.step, "" if self.sim is None else "(simulated) rank_", self.val_loss,
+                 self.state.step, self.simulation.val_prefix, self.val_loss,
                  ppl, tokens, seconds,
                  "".join(f" | {k} {v:.4f}" for k, v in metrics.items() if k.startswith("val_")))
         return self.val_loss
@@ -362,10 +351,9 @@ class Trainer:
     def save(self) -> Path:
         """Save this step; with trainer.async_save the write goes on in the background (the
         checkpoint is complete once ``ckpts.wait()`` returns). Returns the checkpoint's path."""
-        with self._phase("save"):
+        with self.simulation.phase("save"):
             path = self._save(self.state.step)
-        if self.sim is not None:
-            self.sim.saved(path)
+        self.simulation.saved(path)
         return path
 
     def _log_saves(self) -> None:
@@ -422,8 +410,7 @@ class Trainer:
             own = Path(self.cfg.trainer.output_dir, "checkpoints").resolve()
             forked = Path(ckpt).resolve().parent != own  # another run's checkpoint: a new run
             self.tracker.load_state_dict(saved["tracker"], str(ckpt) if forked else None)
-            if self.sim is not None:
-                self.sim.first_step = self.state.step
+            self.simulation.resumed(self.state.step)
             log.info("resumed from %s at step %d (%d tokens)", ckpt, self.state.step,
                      self.state.tokens)
         if self.rt.is_main:  # only now: a resume that fails to load leaves the run's files as
@@ -444,7 +431,7 @@ class Trainer:
         size) the RNGs. Returns its saved state."""
         universal = self.universal and ckpt == self.resume_from
         watchdog.note(step=read_state(ckpt)["step"])  # a rank lost while loading is named at it
-        with self._phase("load"):
+        with self.simulation.phase("load"):
             saved, rank_state = self.ckpts.load(self.engine, ckpt, universal)
         self.parts.load_state_dict(saved)  # the train state, the data position (the caller
         self.source_epochs = self.loader.mixture_epochs()  # starts the next iterator)
@@ -472,7 +459,7 @@ class Trainer:
                                       self.prepared.tokenizer_path, self.rt.device,
                                       self.rt.is_main)
                       if self.cfg.sample.tokens else None)
-            simulation = self._simulation_report()
+            simulation = self.simulation.report(self._restore, self.last_good)
             if self.rt.is_main:
                 sample_file = Path(self.cfg.trainer.output_dir) / "sample.txt"
                 if sample is not None:
@@ -480,9 +467,9 @@ class Trainer:
                     replace_file(sample_file, sample + "\n")  # never through a link
                 else:  # an earlier start's sample does not describe this end
                     sample_file.unlink(missing_ok=True)
-                self.write_run_info(final_val_loss=self.val_loss if self.sim is None else None,
+                self.write_run_info(final_val_loss=self.simulation.final_val_loss(self.val_loss),
                                     final_step=self.state.step, simulation=simulation)
-                if self.sim is None:
+                if self.simulation.summarizes:
                     self._summarize()
         except BaseException:
             # e.g. the last background write failed (exit 3): the loader's workers ignore
@@ -519,17 +506,6 @@ class Trainer:
                 f"over this start's {duration(wall_s)}; {step_tps:,.0f} tok/s, MFU "
                 f"{100 * self.peak.mfu(self.fpt * step_tps):.3g}% in its {pr.steps} steps alone "
                 f"({pr.step_s:.1f}s; no evaluations or saves)")
-
-    def _simulation_report(self) -> Optional[Dict[str, Any]]:
-        """A simulated rank's report (None otherwise): the saved checkpoint is loaded back first
-        if no resume loaded one, so the load is measured too and proven to work."""
-        if self.sim is None:
-            return None
-        if "load" not in self.sim.meter.phases and self.last_good is not None:
-            self._restore(self.last_good)
-        report = self.sim.report()
-        log.info("%s", format_table(report))
-        return report
 
     def close(self) -> None:
         for h in self.hooks:
