@@ -36,6 +36,7 @@ from llama_train.proc import stop_with_launcher
 from llama_train.records import RunInfo
 from llama_train.recovery import Recovery
 from llama_train.resume import ResumeCheck, log_changes
+from llama_train.run_files import RunFiles
 from llama_train.simulation import NoSimulation, Simulation, metered, simulation_of
 from llama_train.summary import already_complete
 from llama_train.tracking import Tracker
@@ -75,6 +76,7 @@ class Components:
     recovery: Recovery
     fpt: float  # FLOPs per token
     peak: PeakFlops
+    files: RunFiles  # what rank 0 alone writes: config.yaml, run_info.json, sample.txt
 
 
 def resolve_job(pre, hooks: Sequence[Hook] = ()) -> Optional[Resolved]:
@@ -156,7 +158,8 @@ def build_job(pre, job: Resolved) -> Components:
     return Components(hooks=hooks, ckpts=job.ckpts, resume=resume, run_config=run_config,
                       precision=precision, sim=sim, simulation=simulation, seq_mpu=seq_mpu, engine=engine,
                       module=module, loader=loader, tracker=tracker, state=state,
-                      recovery=recovery, fpt=fpt, peak=peak)
+                      recovery=recovery, fpt=fpt, peak=peak,
+                      files=RunFiles.of(pre, fpt, peak))
 
 
 def _build_engine(pre, resume: Optional[ResumeCheck], sim: Optional[Simulation], phase,

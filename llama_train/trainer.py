@@ -5,9 +5,11 @@ one optimizer step. The pieces it calls are components with small interfaces: on
 trained (:class:`TrainModule`, over the DeepSpeed boundary :class:`llama_train.engine.Engine`),
 checkpoints (:class:`CheckpointManager`), the data stream (:class:`TrainLoader`), tracking
 (:class:`Tracker`), recovery from bad steps (:class:`Recovery`) and hooks (fault injection,
-benchmarks). Everything a checkpoint must carry about the loop itself is one
-:class:`TrainState`. :func:`start` sets the job up (process group, the checkpoint to continue)
-and builds the Trainer.
+benchmarks), the rank-0 files (:class:`llama_train.run_files.RunFiles`) and a simulated rank's
+measurements (:mod:`llama_train.simulation`'s component, a no-op on a real rank). Everything a
+checkpoint must carry about the loop itself is one :class:`TrainState`. :func:`start` sets the job
+up and builds its parts (:mod:`llama_train.build`: resolve_job, build_job -> Components); the
+Trainer builds nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from llama_train import watchdog
 from llama_train.build import Components, build_job, resolve_job
@@ -32,10 +33,8 @@ from llama_train.data import eval_sets
 from llama_train.flops import memory_stats
 from llama_train.hooks import Hook
 from llama_train.model import count_params
-from llama_train.paths import replace_file
 from llama_train.proc import job_command, launcher_gone
 from llama_train.progress import Interval, Progress
-from llama_train.records import RUN_INFO_FILE, RunInfo
 from llama_train.sample import generate_sample
 from llama_train.summary import duration, end_of_run
 from llama_train.train_module import BatchResult
@@ -105,10 +104,9 @@ class Trainer:
         the :class:`llama_train.preflight.Preflight` (config checked, data prepared)."""
         self.cfg, self.rt, self.plan, self.prepared = pre.cfg, pre.rt, pre.plan, pre.prepared
         self.layout = pre.job.layout  # ranks / parallel.sequence, this rank's coordinates
-        self.command = pre.command  # for run_info.json
         self.model_args = pre.model_args
         self.experiment = pre.experiment  # scaling.ExperimentPlan of experiment=... runs
-        rt, resume = pre.rt, parts.resume
+        resume = parts.resume
         self.hooks: List[Hook] = parts.hooks
         self.ckpts = parts.ckpts
         self.resume_from = resume.checkpoint if resume is not None else None
@@ -124,6 +122,7 @@ class Trainer:
         self.tracker, self.state, self.recovery = parts.tracker, parts.state, parts.recovery
         self._register_parts()
         self.fpt, self.peak = parts.fpt, parts.peak
+        self.files = parts.files  # config.yaml, run_info.json, sample.txt (rank 0 writes them)
         self.losses: Dict[int, float] = {}
         self.val_loss: Optional[float] = None
         # data.val_fraction=0: no validation split, so no evaluation (said once at start)
@@ -413,11 +412,8 @@ class Trainer:
             self.simulation.resumed(self.state.step)
             log.info("resumed from %s at step %d (%d tokens)", ckpt, self.state.step,
                      self.state.tokens)
-        if self.rt.is_main:  # only now: a resume that fails to load leaves the run's files as
-            out = Path(self.cfg.trainer.output_dir)  # they were (a finished run's final_*)
-            out.mkdir(parents=True, exist_ok=True)
-            replace_file(out / "config.yaml", OmegaConf.to_yaml(self.run_config))  # no link
-            self.write_run_info()
+        self.files.start(self.run_config)  # only now: a resume that fails to load leaves the
+        # run's files as they were (a finished run's final_*); rank 0 alone writes them
         self.tracker.start(resume_step=self.state.step if ckpt is not None else None,
                            checkpoint=str(ckpt) if ckpt is not None else None)
         if ckpt is not None:
@@ -460,17 +456,10 @@ class Trainer:
                                       self.rt.is_main)
                       if self.cfg.sample.tokens else None)
             simulation = self.simulation.report(self._restore, self.last_good)
-            if self.rt.is_main:
-                sample_file = Path(self.cfg.trainer.output_dir) / "sample.txt"
-                if sample is not None:
-                    log.info("sample: %r", sample)
-                    replace_file(sample_file, sample + "\n")  # never through a link
-                else:  # an earlier start's sample does not describe this end
-                    sample_file.unlink(missing_ok=True)
-                self.write_run_info(final_val_loss=self.simulation.final_val_loss(self.val_loss),
-                                    final_step=self.state.step, simulation=simulation)
-                if self.simulation.summarizes:
-                    self._summarize()
+            self.files.finish(sample, self.simulation.final_val_loss(self.val_loss),
+                              self.state.step, simulation)  # sample.txt, run_info.json: rank 0
+            if self.rt.is_main and self.simulation.summarizes:
+                self._summarize()
         except BaseException:
             # e.g. the last background write failed (exit 3): the loader's workers ignore
             # SIGTERM, and one left running made the process wait for it forever at exit
@@ -519,22 +508,3 @@ class Trainer:
             self.loader.close()
         if dist.is_initialized():
             dist.barrier()  # the group itself is destroyed in main(), after every multirun job
-
-    def write_run_info(self, final_val_loss: Optional[float] = None,
-                       final_step: Optional[int] = None,
-                       simulation: Optional[Dict[str, Any]] = None) -> None:
-        """run_info.json (:class:`llama_train.records.RunInfo`): at start, and at the end with
-        the final step and val_loss."""
-        cfg, p = self.cfg, self.plan
-        steps = cfg.trainer.max_steps
-        RunInfo(params=count_params(self.model_args), model_args=asdict(self.model_args),
-                flop_budget=cfg.scaling.flops if cfg.scaling.mode != "none" else None,
-                tokens=steps * p.tokens_per_step, global_batch=p.global_batch,
-                seq_len=p.seq_len, max_steps=steps, flops_per_token=self.fpt,
-                flops=self.fpt * steps * p.tokens_per_step,
-                peak_flops={"value": self.peak.value, "source": self.peak.source},
-                command=self.command,
-                count=cfg.scaling.count if cfg.scaling.mode != "none" else None,
-                epoch_tokens=int(self.prepared.meta["splits"]["train"]["tokens"]),
-                final_val_loss=final_val_loss,
-                final_step=final_step, simulation=simulation).write(Path(cfg.trainer.output_dir) / RUN_INFO_FILE)
