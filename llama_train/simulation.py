@@ -366,6 +366,84 @@ def metered(engine, sim: Optional[Simulation], output_dir: str, rank: int):
     return MeteredEngine(engine, sim, traffic)
 
 
+class NoSimulation:
+    """A real run's answer at each point of the loop where a simulated rank
+    (:class:`SimulationReport`) measures, renames or reports: nothing; the loop calls either
+    alike (:func:`simulation_of`)."""
+
+    own_share = 1.0  # of each step's tokens, for MFU: all of them
+    loss_label = "loss"  # the console's step line
+    val_prefix = ""  # the console's evaluation line
+    mfu_note = ""  # the start-up line's MFU
+    summarizes = True  # the end-of-run account
+
+    def phase(self, name: str):
+        return contextlib.nullcontext()
+
+    def metrics(self, metrics: Dict[str, Any]) -> Dict[str, Any]:
+        return metrics
+
+    def saved(self, ckpt: Path) -> None:
+        pass
+
+    def resumed(self, step: int) -> None:
+        pass
+
+    def final_val_loss(self, val_loss: Optional[float]) -> Optional[float]:
+        return val_loss
+
+    def report(self, restore, last_good: Optional[Path]) -> Optional[Dict[str, Any]]:
+        return None
+
+
+class SimulationReport(NoSimulation):
+    """A simulated rank (``comm.simulate_ranks``) at the loop's points: its phases measured
+    (:class:`Simulation`), its losses recorded as its own (:func:`rename_losses`), MFU of its
+    share of the tokens, no end-of-run account, and the report at the end."""
+
+    loss_label = "rank_loss (simulated)"
+    val_prefix = "(simulated) rank_"
+    summarizes = False
+
+    def __init__(self, sim: Simulation):
+        self.sim = sim
+        world = sim.rt.world_size
+        self.own_share = 1 / world
+        self.mfu_note = (f" of this simulated rank (its 1/{world} of each step's tokens; "
+                         f"tok/s counts the job's tokens at its pace, collectives local) on one "
+                         f"device")
+
+    def phase(self, name: str):
+        return self.sim.phase(name)
+
+    def metrics(self, metrics: Dict[str, Any]) -> Dict[str, Any]:
+        return rename_losses(metrics)  # one rank's loss, not the job's
+
+    def saved(self, ckpt: Path) -> None:
+        self.sim.saved(ckpt)
+
+    def resumed(self, step: int) -> None:
+        self.sim.first_step = step
+
+    def final_val_loss(self, val_loss: Optional[float]) -> Optional[float]:
+        return None  # not the job's
+
+    def report(self, restore, last_good: Optional[Path]) -> Optional[Dict[str, Any]]:
+        """The report: the saved checkpoint (``last_good``) is loaded back first (``restore``)
+        if no resume loaded one, so the load is measured too and proven to work."""
+        if "load" not in self.sim.meter.phases and last_good is not None:
+            restore(last_good)
+        report = self.sim.report()
+        log.info("%s", format_table(report))
+        return report
+
+
+def simulation_of(sim: Optional[Simulation]) -> NoSimulation:
+    """The loop's simulation component: :class:`SimulationReport` for a simulated rank's
+    ``sim``, else :class:`NoSimulation`."""
+    return SimulationReport(sim) if sim is not None else NoSimulation()
+
+
 def rename_losses(metrics: Dict[str, Any]) -> Dict[str, Any]:
     """A simulated rank's losses are its own, not the job's: recorded under other names, so
     nothing that reads ``loss`` or ``val_loss`` takes them for the job's."""

@@ -5,76 +5,45 @@ one optimizer step. The pieces it calls are components with small interfaces: on
 trained (:class:`TrainModule`, over the DeepSpeed boundary :class:`llama_train.engine.Engine`),
 checkpoints (:class:`CheckpointManager`), the data stream (:class:`TrainLoader`), tracking
 (:class:`Tracker`), recovery from bad steps (:class:`Recovery`) and hooks (fault injection,
-benchmarks). Everything a checkpoint must carry about the loop itself is one
-:class:`TrainState`. :func:`start` sets the job up (process group, the checkpoint to continue)
-and builds the Trainer.
+benchmarks), the rank-0 files (:class:`llama_train.run_files.RunFiles`) and a simulated rank's
+measurements (:mod:`llama_train.simulation`'s component, a no-op on a real rank). Everything a
+checkpoint must carry about the loop itself is one :class:`TrainState`. :func:`start` sets the job
+up and builds its parts (:mod:`llama_train.build`: resolve_job, build_job -> Components); the
+Trainer builds nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import signal
-import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
-from llama_train import engine as eng
 from llama_train import watchdog
-from llama_train.checkpoint import (CheckpointManager, Fixed, RngState, StateRegistry,
-                                    checkpoint_step, prepare_universal, read_state)
-from llama_train.data import TrainLoader, eval_sets
-from llama_train.faults import FaultInjector, FaultPlan
-from llama_train.flops import PeakFlops, memory_stats
+from llama_train.build import Components, build_job, resolve_job
+from llama_train.checkpoint import Fixed, RngState, StateRegistry, read_state
+from llama_train.compile_watch import CompileWatch
+from llama_train.data import eval_sets
+from llama_train.flops import memory_stats
 from llama_train.hooks import Hook
-from llama_train.model import count_params, flops_per_token
-from llama_train.proc import job_command, launcher_gone, stop_with_launcher
-from llama_train.optim import param_groups
-from llama_train.paths import replace_file
-from llama_train.records import RUN_INFO_FILE, RunInfo
-from llama_train.recovery import Recovery
-from llama_train.resume import ResumeCheck, log_changes
+from llama_train.model import count_params
+from llama_train.proc import job_command, launcher_gone
+from llama_train.progress import Interval, Progress
 from llama_train.sample import generate_sample
-from llama_train.simulation import Simulation, format_table, metered, rename_losses
-from llama_train.summary import already_complete, duration, end_of_run
-from llama_train.tracking import Tracker
-from llama_train.train_module import BatchResult, TrainModule
+from llama_train.summary import duration, end_of_run
+from llama_train.train_module import BatchResult
+from llama_train.train_state import TrainState
+
+__all__ = ["Components", "CompileWatch", "StepOutput", "StopSignals", "Trainer", "TrainState",
+           "build_job", "start"]
 
 log = logging.getLogger("llama_train")
-
-@dataclass
-class TrainState:
-    """The loop's own progress; travels in every checkpoint (trainer_state.json)."""
-
-    step: int = 0
-    tokens: int = 0
-    skipped_steps: int = 0
-    rollbacks: int = 0
-    skip_windows: List[List[int]] = field(default_factory=list)  # [from, to) global samples
-    loss_ema: Optional[float] = None  # running mean of good losses (spike detection)
-    bad_streak: int = 0
-    streak_start: int = 0  # global sample where the current streak of bad steps began
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
-                "rollbacks": self.rollbacks, "skip_windows": [list(w) for w in self.skip_windows],
-                "fault": {"loss_ema": self.loss_ema, "bad_streak": self.bad_streak,
-                          "streak_start": self.streak_start}}
-
-    def load_state_dict(self, d: Dict[str, Any]) -> None:
-        fault = d.get("fault", {})
-        self.step, self.tokens = d["step"], d["tokens"]
-        self.skipped_steps, self.rollbacks = d.get("skipped_steps", 0), d.get("rollbacks", 0)
-        self.skip_windows = [list(w) for w in d.get("skip_windows", [])]
-        self.loss_ema = fault.get("loss_ema")
-        self.bad_streak, self.streak_start = fault.get("bad_streak", 0), fault.get("streak_start", 0)
 
 
 @dataclass
@@ -85,78 +54,6 @@ class StepOutput:
     seconds: float
     verdict: Optional[str]  # Recovery's: skipped_step, spike, nonfinite_applied, or None
     window_end: int  # the stream's position after the step (global samples)
-
-
-class Interval:
-    """Throughput over the log interval: training tokens over the wall time since the last
-    logged step (evaluations and saves in between included, as anyone recomputing it from the
-    records' ``time`` would), the median step time and the summed data wait of its steps. One
-    step's figure is not the interval's: a 5-step interval of 1,024-token steps at 3.9 s read
-    6,724 tok/s from its last step, ~1,300 in fact."""
-
-    def __init__(self, tokens: int):
-        self.reset(tokens)
-
-    def reset(self, tokens: int) -> None:
-        self.t0, self.tokens0 = time.perf_counter(), tokens
-        self.step_s: List[float] = []
-        self.wait_s = 0.0
-
-    def add(self, out: "StepOutput") -> None:
-        self.step_s.append(out.seconds)
-        self.wait_s += out.batch.data_wait_s
-
-    def peek(self, tokens: int) -> Dict[str, float]:
-        """The interval so far, left open: a console line between records."""
-        wall = time.perf_counter() - self.t0
-        return {"tokens_per_s": (tokens - self.tokens0) / wall,
-                "step_time_s": statistics.median(self.step_s), "data_wait_s": self.wait_s,
-                "interval_s": wall, "interval_steps": len(self.step_s)}
-
-    def take(self, tokens: int) -> Dict[str, float]:
-        figures = self.peek(tokens)
-        self.reset(tokens)
-        return figures
-
-
-# Between records (trainer.log_every) the console's step line comes at least this often, in
-# seconds of wall time: with 20 s steps and log_every=10 a run said nothing for 200 s. Such a
-# line is not a record: metrics.jsonl still holds every log_every-th step.
-CONSOLE_EVERY_S = 30.0
-# The ETA leaves out each start's first steps: the first holds compilation and DeepSpeed's
-# first-step set-up (step 1's ETA was 60% too long), the second ZeRO-3's first trace.
-ETA_SKIP_STEPS = 2
-
-
-class Progress:
-    """The pace the console reports: when a step line is due between records, the ETA (wall
-    time per step after this start's first ETA_SKIP_STEPS steps, evaluations and saves
-    included) and the seconds spent in steps (the end-of-run throughput)."""
-
-    def __init__(self, step: int, max_steps: int):
-        self.t0 = self.last_line = time.perf_counter()
-        self.first_step, self.max_steps = step, max_steps
-        # a start of a few steps: fewer left out, so that it still gets an ETA
-        self.skip = min(ETA_SKIP_STEPS, max(0, max_steps - step - 2))
-        self.mark = (self.t0, step) if self.skip == 0 else None  # (time, step) it counts from
-        self.step_s, self.steps = 0.0, 0
-
-    def step_done(self, step: int, seconds: float) -> None:
-        self.step_s += seconds
-        self.steps += 1
-        if self.skip and step == self.first_step + self.skip:  # again if a rollback replays it
-            self.mark = (time.perf_counter(), step)
-
-    def line_due(self) -> bool:
-        return time.perf_counter() - self.last_line >= CONSOLE_EVERY_S
-
-    def eta(self, step: int) -> str:
-        if step >= self.max_steps:
-            return duration(0)
-        if self.mark is None or step <= self.mark[1]:
-            return f"after step {(self.mark[1] if self.mark else self.first_step + self.skip) + 1}"
-        t0, step0 = self.mark
-        return duration((time.perf_counter() - t0) / (step - step0) * (self.max_steps - step))
 
 
 class StopSignals:
@@ -191,228 +88,47 @@ class StopSignals:
 
 def start(pre, hooks: Sequence[Hook] = ()) -> Optional["Trainer"]:
     """Set the job up after preflight (``pre``, a :class:`llama_train.preflight.Preflight`):
-    the process group, the checkpoint to continue (verified by rank 0; an old history set aside
-    if ``trainer.on_existing`` says so), judged by :mod:`llama_train.resume` if it is not the one
-    preflight judged, converted for a new world size if needed; then the Trainer (None when the
-    checkpoint already holds trainer.max_steps: the run is complete)."""
-    cfg, t, rt = pre.cfg, pre.cfg.trainer, pre.rt
-    hooks = [FaultInjector(pre.faults or FaultPlan(), rt.rank), *hooks]
-    stop_with_launcher()  # a killed launcher: SIGTERM, so this rank saves and stops
-    eng.init_distributed(cfg.comm, rt.device_type)
-    log.info("process group up: %d ranks over %s", rt.world_size, dist.get_backend())
-    # trainer.async_save: a simulated rank saves synchronously (its phases are measured alone)
-    async_save = t.async_save and not rt.simulated
-    ckpts = CheckpointManager(t.output_dir, t.keep_last, t.verify_checksums, rt.rank,
-                              rt.world_size, hooks, lead=rt.is_main, async_save=async_save,
-                              comm_timeout_s=cfg.comm.timeout_s)  # and the writer's gloo group
-    run_files = (*(() if cfg.tracking.wandb.dir else ("wandb",)),  # default <output_dir>/wandb
-                 *(() if cfg.tracking.tensorboard.dir else ("tensorboard",)))
-    t0 = time.perf_counter()
-    resume_from = ckpts.resolve_resume(  # verified before unpickling
-        t.resume, t.on_existing, cfg.tracking.metrics_file, run_files)
-    resume = pre.resume_check(resume_from)
-    done = checkpoint_step(resume.checkpoint) if resume is not None and not rt.simulated else 0
-    if done >= t.max_steps:
-        if rt.is_main:  # started again after it ended: no W&B run, no new sample
-            for line in already_complete(step=done,
-                                         max_steps=t.max_steps, checkpoint=resume.checkpoint,
-                                         output_dir=t.output_dir,
-                                         val_loss=RunInfo.final_val_loss_of(t.output_dir)):
-                log.info("%s", line)
+    the process group, the checkpoint to continue (:func:`llama_train.build.resolve_job`); then
+    the Trainer on the job's parts (:func:`llama_train.build.build_job`). None when the
+    checkpoint already holds trainer.max_steps: the run is complete."""
+    job = resolve_job(pre, hooks)
+    if job is None:
         return None
-    if resume is not None:
-        resume.seconds["verify_s"] = time.perf_counter() - t0
-        if rt.is_main:
-            log_changes(resume)
-        if resume.universal:
-            t0 = time.perf_counter()
-            prepare_universal(resume.checkpoint, rt.rank)
-            resume.seconds["convert_s"] = time.perf_counter() - t0
-    return Trainer(pre, ckpts, resume, hooks)
-
-
-class CompileWatch(Hook):
-    """trainer.compile's two log lines (rank 0): how long compiling took, and each recompile.
-
-    The time is what dynamo's compile callbacks enclose (``torch._dynamo.callback``): tracing,
-    AOT autograd and inductor's code generation (or the load from its cache,
-    TORCHINDUCTOR_CACHE_DIR), for every graph of the first step this process runs, forward and
-    the backward compiled lazily at the first backward. It is not the step's whole extra time:
-    first-touch allocations and the first run of the new kernels are outside it. A compile after
-    that step is a recompile (a guard failed: a new shape, dtype or grad mode; an evaluation's
-    no_grad is one); each step that had some gets one line with the first guard failure
-    dynamo recorded (``torch._dynamo.utils.guard_failures``; TORCH_LOGS=recompiles lists all).
-    """
-
-    def __init__(self) -> None:
-        self.graphs = self.recompiles = 0  # since the last line
-        self.seconds = 0.0
-        self.first = True
-        self._t0: Optional[float] = None
-        try:
-            from torch._dynamo.callback import callback_handler
-            from torch._dynamo.utils import guard_failures
-        except ImportError:  # a torch without these: compile runs, unmeasured
-            log.warning("torch.compile: this torch has no torch._dynamo.callback; compile time "
-                        "and recompiles are not logged")
-            self._handler = None
-            return
-        self._handler, self._failures = callback_handler, guard_failures
-        self._seen = self._failure_counts()
-        callback_handler.register_start_callback(self._start)
-        callback_handler.register_end_callback(self._end)
-
-    def _failure_counts(self) -> Dict[Any, int]:
-        return {code: len(reasons) for code, reasons in list(self._failures.items())}
-
-    def _start(self, args: Any) -> None:
-        self._t0 = time.perf_counter()
-        self.graphs += 1
-        # compile id "frame/n": n > 0 is the frame's n-th recompile (a guard of the earlier failed)
-        frame_compile = str(args.compile_id).split("/")[-1].split("_")[0]
-        dynamo = getattr(args.callback_trigger, "name", "") == "DYNAMO"
-        if dynamo and frame_compile not in ("0", ""):
-            self.recompiles += 1
-
-    def _end(self, args: Any) -> None:
-        if self._t0 is not None:
-            self.seconds += time.perf_counter() - self._t0
-            self._t0 = None
-
-    def _new_failure(self) -> Optional[str]:
-        counts, first = self._failure_counts(), None
-        for code, n in counts.items():
-            if n > self._seen.get(code, 0) and first is None:
-                reason = str(self._failures[code][self._seen.get(code, 0)]).splitlines()[0]
-                first = f"{getattr(code, 'co_name', code)}: {reason.strip()}"
-        self._seen = counts
-        return first
-
-    def on_step_end(self, step: int, metrics: Dict[str, Any]) -> None:
-        if self._handler is None or (not self.graphs and not self.first):
-            return
-        why = self._new_failure()
-        if self.first and not self.graphs:  # an earlier run in this process compiled the same code
-            log.info("torch.compile: nothing compiled during step %d: dynamo reused the graphs "
-                     "this process compiled before", step)
-        elif self.first:
-            log.info("torch.compile: %.1f s compiling %d graphs (forward and backward%s) during "
-                     "step %d, this process's first: dynamo, AOT autograd and inductor or its "
-                     "cache, not the step's other first-time costs", self.seconds, self.graphs,
-                     f"; {self.recompiles} recompiles within the step, the first for {why}"
-                     if self.recompiles else "", step)
-        else:  # a recompile, or a frame first met now (an evaluation's): either way, compiled
-            log.info("torch.compile recompiled during step %d: %d graph(s), %d of them "
-                     "recompiles, %.1f s; first guard failure: %s (TORCH_LOGS=recompiles lists "
-                     "all)", step, self.graphs, self.recompiles, self.seconds,
-                     why or "none recorded")
-        self.first, self.graphs, self.recompiles, self.seconds = False, 0, 0, 0.0
-
-    def close(self) -> None:
-        if self._handler is not None:
-            for remove, fn in ((self._handler.remove_start_callback, self._start),
-                               (self._handler.remove_end_callback, self._end)):
-                with contextlib.suppress(ValueError):
-                    remove(fn)
-            self._handler = None
+    return Trainer(pre, build_job(pre, job))
 
 
 class Trainer:
-    def __init__(self, pre, ckpts: CheckpointManager, resume: Optional[ResumeCheck],
-                 hooks: Sequence[Hook] = ()):
-        """Build: model, engine, data, tracking, on a process group that is up, to continue
-        ``resume`` (None: from step 0). ``pre`` is the :class:`llama_train.preflight.Preflight`
-        (config checked, data prepared); :func:`start` makes the rest."""
+    def __init__(self, pre, parts: Components):
+        """The loop over a job's parts, as :func:`llama_train.build.build_job` built them (on a
+        process group that is up, to continue ``parts.resume``; None: from step 0). ``pre`` is
+        the :class:`llama_train.preflight.Preflight` (config checked, data prepared)."""
         self.cfg, self.rt, self.plan, self.prepared = pre.cfg, pre.rt, pre.plan, pre.prepared
         self.layout = pre.job.layout  # ranks / parallel.sequence, this rank's coordinates
-        self.command = pre.command  # for run_info.json
         self.model_args = pre.model_args
         self.experiment = pre.experiment  # scaling.ExperimentPlan of experiment=... runs
-        cfg, t, rt = self.cfg, pre.cfg.trainer, pre.rt
-        self.hooks: List[Hook] = list(hooks)
-        self.ckpts = ckpts
+        resume = parts.resume
+        self.hooks: List[Hook] = parts.hooks
+        self.ckpts = parts.ckpts
         self.resume_from = resume.checkpoint if resume is not None else None
         self.config_changes: Dict[str, List[Any]] = resume.changes if resume is not None else {}
         self.resume_s: Dict[str, float] = dict(resume.seconds) if resume is not None else {}
         self.universal = resume is not None and resume.universal
-        self.run_config = pre.run_config()
-        torch.manual_seed(t.seed)
-        precision = eng.resolve_precision(cfg.deepspeed, rt.device_type)
-        # comm.simulate_ranks: this rank's phases measured (the idle baseline is read here)
-        self.sim = (Simulation(rt, cfg, self.model_args, self.plan, precision)
-                    if rt.simulated else None)
-        # parallel.sequence=N: groups of N consecutive ranks share each sequence (the layout's
-        # sequence groups are DeepSpeed's), each group one data-parallel replica
-        self.seq_mpu = eng.init_sequence_parallel(self.layout.sequence_parallel)
+        self.run_config = parts.run_config
+        self.sim = parts.sim  # its checkpoints say so (_register_parts)
+        self.simulation = parts.simulation  # a simulated rank's measurements and names, or none
+        self.seq_mpu = parts.seq_mpu
         self.dp_rank = self.layout.dp_rank
-        self.engine = self._build_engine()
-        self.eos_id = int(self.prepared.meta["tokenizer"]["eos_id"])  # documents end with it
-        self.module = TrainModule(self.engine, self.plan, rt.device, cfg.optim, t.max_steps,
-                                  vocab_size=self.model_args.vocab_size, eos_id=self.eos_id,
-                                  document_mask=t.document_mask, data_dir=self.prepared.dir,
-                                  hooks=self.hooks,
-                                  sequence=(self.layout.sp_rank, self.layout.sequence_parallel))
-        self.loader = TrainLoader(self.prepared.dir, seq_len=t.seq_len,
-                                  global_batch=self.plan.global_batch,
-                                  micro_batch=self.plan.micro_batch, dp_rank=self.dp_rank,
-                                  dp_world=self.layout.data_parallel, seed=cfg.data.seed,
-                                  num_workers=cfg.data.num_workers,
-                                  pin_memory=rt.device_type == "cuda",
-                                  data_timeout_s=cfg.comm.timeout_s)
-        self.tracker = Tracker(cfg.tracking, t.output_dir, rt.rank, self.run_config,
-                               lead=rt.is_main)
-        self.state = TrainState()
-        self.recovery = Recovery(cfg.recovery, self.state, self.tracker,
-                                 enabled=not rt.simulated)
+        self.engine, self.module, self.loader = parts.engine, parts.module, parts.loader
+        self.tracker, self.state, self.recovery = parts.tracker, parts.state, parts.recovery
         self._register_parts()
-        self.fpt = flops_per_token(self.model_args, t.seq_len)
-        # A simulated rank is one process on one device: MFU is its share of each step's tokens
-        # against that device's peak (N devices' peak would claim compute it never ran).
-        self.own_share = 1 / rt.world_size if rt.simulated else 1.0
-        self.peak = PeakFlops(rt.device, precision, 1 if rt.simulated else rt.world_size,
-                              t.peak_flops)
+        self.fpt, self.peak = parts.fpt, parts.peak
+        self.files = parts.files  # config.yaml, run_info.json, sample.txt (rank 0 writes them)
         self.losses: Dict[int, float] = {}
         self.val_loss: Optional[float] = None
         # data.val_fraction=0: no validation split, so no evaluation (said once at start)
         self.has_val = self.prepared.meta["splits"].get("val", {}).get("tokens", 0) > 0
         self.source_epochs = self.loader.mixture_epochs()  # data.mixture: noted as they change
-        self._log_start(precision)
-
-    def _build_engine(self) -> eng.Engine:
-        """The model (``trainer.init_from``'s weights on a fresh start), wrapped by DeepSpeed."""
-        from llama_train.hf import check_init_from, read_init_from
-
-        t, zero = self.cfg.trainer, self.cfg.deepspeed.zero_stage
-        ds_config = eng.build_ds_config(self.cfg.deepspeed, self.cfg.optim, self.plan,
-                                        self.rt.device_type, universal=self.universal,
-                                        model_dim=self.model_args.dim)
-        with self._phase("build"):
-            model = eng.build_model(self.model_args, ds_config, self.rt.device, t.seed,
-                                    mpu=self.seq_mpu, float8=self.cfg.float8)
-            if t.init_from and self.resume_from is None:
-                check_init_from(t.init_from, self.model_args)
-                eng.load_full_state(model, read_init_from(t.init_from, with_weights=True)[1],
-                                    zero)
-                log.info("initialised weights from %s", t.init_from)
-        eng.shard_attention(model, self.seq_mpu)  # parallel.sequence > 1 only
-        compiled, why = t.compiles(self.rt.device_type)
-        if compiled:
-            for block in model.layers:
-                block.compile()  # in place: parameter names stay those of the plain model
-        if self.rt.is_main:  # the decision, once; then how long compiling took, and recompiles
-            log.info("trainer.compile=%s: %s (%s)", t.compile,
-                     f"each of the {len(model.layers)} blocks compiled" if compiled else "eager",
-                     why)
-            if compiled:
-                self.hooks.append(CompileWatch())
-        with self._phase("initialize"):
-            engine = eng.initialize(model, param_groups(model, self.cfg.optim), ds_config,
-                                    mpu=self.seq_mpu)
-        return metered(engine, self.sim, t.output_dir, self.rt.rank)
-
-    def _phase(self, name: str):
-        """A phase a simulated rank measures (comm.simulate_ranks); nothing otherwise."""
-        return self.sim.phase(name) if self.sim is not None else contextlib.nullcontext()
+        self._log_start(parts.precision)
 
     def _log_start(self, precision: str) -> None:
         if not self.rt.is_main:
@@ -427,9 +143,7 @@ class Trainer:
                  f" / sequence parallel {sp}" if sp > 1 else "", p.micro_batch, p.grad_accum,
                  p.global_batch, p.seq_len,
                  self.cfg.deepspeed.zero_stage, precision, self.rt.device_type,
-                 "" if self.sim is None else
-                 f" of this simulated rank (its 1/{self.rt.world_size} of each step's tokens; "
-                 f"tok/s counts the job's tokens at its pace, collectives local) on one device",
+                 self.simulation.mfu_note,
                  self.peak.value, self.peak.source)
         if not self.has_val:
             log.warning("data.val_fraction=%g: the data has no validation split, so there is no "
@@ -556,7 +270,7 @@ class Trainer:
         grad_norm = b.result.grad_norm
         # between records (a slow step): the interval so far, on the console only
         speed = self.interval.take(s.tokens) if record else self.interval.peek(s.tokens)
-        mfu = self.peak.mfu(self.fpt * speed["tokens_per_s"] * self.own_share)
+        mfu = self.peak.mfu(self.fpt * speed["tokens_per_s"] * self.simulation.own_share)
         if not record:
             self._step_line(out, speed, mfu)
             return {}
@@ -566,8 +280,7 @@ class Trainer:
         mixture = self.loader.mixture_tokens()
         if mixture is not None:  # data.mixture: cumulative tokens per source
             metrics["mixture_tokens"] = mixture
-        if self.sim is not None:  # one rank's loss, not the job's
-            metrics = rename_losses(metrics)
+        metrics = self.simulation.metrics(metrics)  # a simulated rank's: rank_loss
         self.tracker.log(s.step, metrics)
         if mfu > 1.0 and self.rt.is_main:  # every time: an MFU above 100% is never true
             log.warning("MFU %.0f%% > 100%% at step %d: the peak of %.3g FLOP/s (%s) is too low "
@@ -583,7 +296,7 @@ class Trainer:
         s, b, grad_norm = self.state, out.batch, out.batch.result.grad_norm
         log.info("step %5d/%d | %s %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | mfu %.1f%% | "
                  "%d steps in %.1fs (median %.2fs) | eta %s", s.step, self.cfg.trainer.max_steps,
-                 "loss" if self.sim is None else "rank_loss (simulated)", b.loss, b.lr,
+                 self.simulation.loss_label, b.loss, b.lr,
                  grad_norm if grad_norm is not None else float("nan"),
                  speed["tokens_per_s"], 100 * mfu, speed["interval_steps"],
                  speed["interval_s"], speed["step_time_s"], self.progress.eta(s.step))
@@ -626,10 +339,9 @@ class Trainer:
         seconds = time.perf_counter() - t0
         record = {"val_loss": self.val_loss, "val_ppl": ppl, **metrics, "val_tokens": tokens,
                   "val_time_s": seconds}
-        self.tracker.log(self.state.step,
-                         record if self.sim is None else rename_losses(record))
+        self.tracker.log(self.state.step, self.simulation.metrics(record))
         log.info("step %5d | %sval_loss %.4f | val_ppl %.2f | %d tokens in %.1fs%s",
-                 self.state.step, "" if self.sim is None else "(simulated) rank_", self.val_loss,
+                 self.state.step, self.simulation.val_prefix, self.val_loss,
                  ppl, tokens, seconds,
                  "".join(f" | {k} {v:.4f}" for k, v in metrics.items() if k.startswith("val_")))
         return self.val_loss
@@ -638,10 +350,9 @@ class Trainer:
     def save(self) -> Path:
         """Save this step; with trainer.async_save the write goes on in the background (the
         checkpoint is complete once ``ckpts.wait()`` returns). Returns the checkpoint's path."""
-        with self._phase("save"):
+        with self.simulation.phase("save"):
             path = self._save(self.state.step)
-        if self.sim is not None:
-            self.sim.saved(path)
+        self.simulation.saved(path)
         return path
 
     def _log_saves(self) -> None:
@@ -698,15 +409,11 @@ class Trainer:
             own = Path(self.cfg.trainer.output_dir, "checkpoints").resolve()
             forked = Path(ckpt).resolve().parent != own  # another run's checkpoint: a new run
             self.tracker.load_state_dict(saved["tracker"], str(ckpt) if forked else None)
-            if self.sim is not None:
-                self.sim.first_step = self.state.step
+            self.simulation.resumed(self.state.step)
             log.info("resumed from %s at step %d (%d tokens)", ckpt, self.state.step,
                      self.state.tokens)
-        if self.rt.is_main:  # only now: a resume that fails to load leaves the run's files as
-            out = Path(self.cfg.trainer.output_dir)  # they were (a finished run's final_*)
-            out.mkdir(parents=True, exist_ok=True)
-            replace_file(out / "config.yaml", OmegaConf.to_yaml(self.run_config))  # no link
-            self.write_run_info()
+        self.files.start(self.run_config)  # only now: a resume that fails to load leaves the
+        # run's files as they were (a finished run's final_*); rank 0 alone writes them
         self.tracker.start(resume_step=self.state.step if ckpt is not None else None,
                            checkpoint=str(ckpt) if ckpt is not None else None)
         if ckpt is not None:
@@ -720,7 +427,7 @@ class Trainer:
         size) the RNGs. Returns its saved state."""
         universal = self.universal and ckpt == self.resume_from
         watchdog.note(step=read_state(ckpt)["step"])  # a rank lost while loading is named at it
-        with self._phase("load"):
+        with self.simulation.phase("load"):
             saved, rank_state = self.ckpts.load(self.engine, ckpt, universal)
         self.parts.load_state_dict(saved)  # the train state, the data position (the caller
         self.source_epochs = self.loader.mixture_epochs()  # starts the next iterator)
@@ -748,18 +455,11 @@ class Trainer:
                                       self.prepared.tokenizer_path, self.rt.device,
                                       self.rt.is_main)
                       if self.cfg.sample.tokens else None)
-            simulation = self._simulation_report()
-            if self.rt.is_main:
-                sample_file = Path(self.cfg.trainer.output_dir) / "sample.txt"
-                if sample is not None:
-                    log.info("sample: %r", sample)
-                    replace_file(sample_file, sample + "\n")  # never through a link
-                else:  # an earlier start's sample does not describe this end
-                    sample_file.unlink(missing_ok=True)
-                self.write_run_info(final_val_loss=self.val_loss if self.sim is None else None,
-                                    final_step=self.state.step, simulation=simulation)
-                if self.sim is None:
-                    self._summarize()
+            simulation = self.simulation.report(self._restore, self.last_good)
+            self.files.finish(sample, self.simulation.final_val_loss(self.val_loss),
+                              self.state.step, simulation)  # sample.txt, run_info.json: rank 0
+            if self.rt.is_main and self.simulation.summarizes:
+                self._summarize()
         except BaseException:
             # e.g. the last background write failed (exit 3): the loader's workers ignore
             # SIGTERM, and one left running made the process wait for it forever at exit
@@ -796,17 +496,6 @@ class Trainer:
                 f"{100 * self.peak.mfu(self.fpt * step_tps):.3g}% in its {pr.steps} steps alone "
                 f"({pr.step_s:.1f}s; no evaluations or saves)")
 
-    def _simulation_report(self) -> Optional[Dict[str, Any]]:
-        """A simulated rank's report (None otherwise): the saved checkpoint is loaded back first
-        if no resume loaded one, so the load is measured too and proven to work."""
-        if self.sim is None:
-            return None
-        if "load" not in self.sim.meter.phases and self.last_good is not None:
-            self._restore(self.last_good)
-        report = self.sim.report()
-        log.info("%s", format_table(report))
-        return report
-
     def close(self) -> None:
         for h in self.hooks:
             if isinstance(h, CompileWatch):
@@ -819,22 +508,3 @@ class Trainer:
             self.loader.close()
         if dist.is_initialized():
             dist.barrier()  # the group itself is destroyed in main(), after every multirun job
-
-    def write_run_info(self, final_val_loss: Optional[float] = None,
-                       final_step: Optional[int] = None,
-                       simulation: Optional[Dict[str, Any]] = None) -> None:
-        """run_info.json (:class:`llama_train.records.RunInfo`): at start, and at the end with
-        the final step and val_loss."""
-        cfg, p = self.cfg, self.plan
-        steps = cfg.trainer.max_steps
-        RunInfo(params=count_params(self.model_args), model_args=asdict(self.model_args),
-                flop_budget=cfg.scaling.flops if cfg.scaling.mode != "none" else None,
-                tokens=steps * p.tokens_per_step, global_batch=p.global_batch,
-                seq_len=p.seq_len, max_steps=steps, flops_per_token=self.fpt,
-                flops=self.fpt * steps * p.tokens_per_step,
-                peak_flops={"value": self.peak.value, "source": self.peak.source},
-                command=self.command,
-                count=cfg.scaling.count if cfg.scaling.mode != "none" else None,
-                epoch_tokens=int(self.prepared.meta["splits"]["train"]["tokens"]),
-                final_val_loss=final_val_loss,
-                final_step=final_step, simulation=simulation).write(Path(cfg.trainer.output_dir) / RUN_INFO_FILE)

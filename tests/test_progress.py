@@ -12,7 +12,7 @@ import re
 import pytest
 
 from helpers import cfg_for, step_rows
-from llama_train import trainer
+from llama_train import progress
 from llama_train.train import train
 
 pytestmark = pytest.mark.usefixtures("one_rank")  # conftest.py: a world of one
@@ -35,7 +35,7 @@ def test_the_step_line_comes_on_wall_time_between_records(tmp_path, capfd, fault
     """log_every larger than the run: only steps 1 and 5 are records, but slow steps (0.3 s
     stalls, a line due every 0.25 s here; 30 s in a run) each get a console line, with the
     interval's figures so far. metrics.jsonl is what it was."""
-    monkeypatch.setattr(trainer, "CONSOLE_EVERY_S", 0.25)
+    monkeypatch.setattr(progress, "CONSOLE_EVERY_S", 0.25)
     faults(";".join(f"hang:step={k},seconds=0.3" for k in (2, 3, 4, 5)))
     out = tmp_path / "slow"
     train(cfg_for(out, "trainer.max_steps=5", "trainer.log_every=100", "trainer.save_every=100",
