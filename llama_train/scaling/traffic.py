@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 from llama_train.scaling.laws import ScalingError
 from llama_train.scaling.memory import _check_dtype, _resolve_args, _zero_sizes, sequence_parallel_traffic
@@ -150,16 +150,8 @@ def planned_traffic(
         raise ScalingError(f"world_size={world_size}, grad_accum={grad_accum}, sequence_parallel="
                            f"{sequence_parallel}: positive integers, sequence_parallel dividing "
                            f"world_size")
-    zeropp = getattr(ds, "zeropp", None)
-    if hpz_partition_size is None:
-        hpz_partition_size = getattr(zeropp, "hpz_partition_size", 1)
-    if mics_shard_size is None:
-        mics_shard_size = getattr(ds, "mics_shard_size", 0)
-    if quantized_weights is None:
-        quantized_weights = bool(getattr(zeropp, "quantized_weights", False))
-    if quantized_gradients is None:
-        quantized_gradients = bool(getattr(zeropp, "quantized_gradients", False))
-    h, m = int(hpz_partition_size or 1), int(mics_shard_size or 0)
+    h, m, quantized_weights, quantized_gradients = _zeropp_settings(
+        ds, hpz_partition_size, mics_shard_size, quantized_weights, quantized_gradients)
     extras = h > 1 or m > 0 or quantized_weights or quantized_gradients
     # counted: ZeRO-1/2/3, sequence parallelism, hpZ; planned from the design: MiCS, qwZ, qgZ
     exact = not (m > 0 or quantized_weights or quantized_gradients)
@@ -172,77 +164,20 @@ def planned_traffic(
         raise ScalingError("hpZ and MiCS are alternatives: give one of hpz_partition_size, "
                            "mics_shard_size")
     g_node = int(gpus_per_node or n)
-    from llama_train.model_args import count_params, param_shapes
+    from llama_train.model_args import count_params
 
     psi = count_params(args)["total"]
     rows: List[Dict[str, Any]] = []
     if zero_stage in (1, 2):
-        every = a if zero_stage == 2 else 1
-        _row(rows, "backward", "all_reduce", n, every * psi * p, every,
-             "gradients, whole, in reduce buckets" + (" every micro-batch" if every > 1 else ""))
-        groups = optimizer_groups(args, decay_embeddings, decay_norms_and_biases)
-        _row(rows, "step", "all_gather", n,
-             sum(_pad(k, ZERO12_ALIGNMENT * n) for k in groups) * p, len(groups),
-             f"updated weights: each optimizer group's flat buffer padded to "
-             f"{ZERO12_ALIGNMENT}N elements")
-        scalars = DS_STEP_SCALARS[zero_stage] + ([BF16_ZERO12_FLAG] if dtype == "bf16" else [])
+        scalars = _zero12_rows(rows, args, psi, n, a, p, zero_stage, dtype, decay_embeddings,
+                               decay_norms_and_biases)
     else:
-        sizes = _zero_sizes(args, ds, zero_overrides)
-        threshold = sizes["stage3_param_persistence_threshold"]
-        shard = m or n  # MiCS partitions within m ranks, ZeRO-3 within all
-        numels = [math.prod(shape) for _, shape in param_shapes(args)]
-        gathered = [k for k in numels if k > threshold]
-        kept = [k for k in numels if k <= threshold]
-        gathered_elems = sum(_pad(k, shard) for k in gathered)
-        w_bytes = (gathered_elems * (1 + 4 / QUANT_GROUP) if quantized_weights
-                   else gathered_elems * p)
-        tag = " (int8 + scales)" if quantized_weights else ""
-        if h > 1:
-            # hpZ: a released parameter keeps a secondary partition within its h ranks until
-            # the optimizer step drops it, so only the first micro-batch's forward gathers
-            # over all N; the later forwards and every backward gather the same bytes within h
-            _row(rows, "forward", "all_gather", shard, w_bytes, len(gathered),
-                 f"non-persistent weights, each padded to a multiple of {shard}{tag}: the "
-                 f"first micro-batch (hpZ's secondary partition is cut as each is released)")
-            _row(rows, "forward", "all_gather", h, (a - 1) * w_bytes, (a - 1) * len(gathered),
-                 f"the later micro-batches' forwards, from hpZ's secondary partition within "
-                 f"{h} ranks")
-        else:
-            _row(rows, "forward", "all_gather", shard, a * w_bytes, a * len(gathered),
-                 f"non-persistent weights, each padded to a multiple of {shard}{tag}")
-        _row(rows, "backward", "all_gather", h if h > 1 else shard, a * w_bytes,
-             a * len(gathered),
-             "the same again for the backward" + (f", from hpZ's secondary partition within "
-                                                   f"{h} ranks" if h > 1 else ""))
-        grad_elems = sum(_pad(k, shard) for k in numels)
-        if quantized_gradients:
-            intra = min(g_node, shard)
-            q = grad_elems * (0.5 + 4 / QUANT_GROUP)
-            _row(rows, "backward", "all_to_all", intra, a * q, a * len(numels),
-                 "qgZ: int4 gradients exchanged within the node")
-            _row(rows, "backward", "all_to_all", shard // intra, a * q / intra, a * len(numels),
-                 "qgZ: the node's reduced 1/G exchanged across nodes", stride=intra)
-        else:
-            _row(rows, "backward", "reduce_scatter", shard, a * grad_elems * p, a * len(numels),
-                 f"gradients, every parameter padded to a multiple of {shard}")
-        if m:
-            _row(rows, "step", "all_reduce", n // m, grad_elems / m * p, 1,
-                 f"MiCS: the gradient shard averaged over the {n // m} replicas", stride=m)
-        _row(rows, "step", "all_gather", shard, sum(_pad(k, shard) for k in kept) * p,
-             len(kept), f"updated persistent weights (numel <= {threshold})")
-        scalars = DS_STEP_SCALARS[3]
+        scalars = _zero3_rows(rows, args, n, a, p, h, m, quantized_weights, quantized_gradients,
+                              g_node, ds, zero_overrides)
     _row(rows, "step", "all_reduce", n, LOSS_ALL_REDUCE + sum(scalars), 1 + len(scalars),
          "the loss, non-finite and stop flags (ours); DeepSpeed's norm and overflow scalars")
     if sp > 1:
-        t = sequence_parallel_traffic(args, micro_batch=micro_batch, seq_len=seq_len,
-                                      sequence_parallel=sp, dtype=dtype,
-                                      checkpointing=checkpointing)
-        per_pass = t["bytes"] / t["passes"]
-        _row(rows, "forward", "all_to_all", sp, a * per_pass, a * t["calls"] // t["passes"],
-             "Ulysses: q, k, v and the attention output of every layer")
-        _row(rows, "backward", "all_to_all", sp, a * per_pass * (t["passes"] - 1),
-             a * t["calls"] * (t["passes"] - 1) // t["passes"],
-             "their gradients" + (" and the recomputed forward's" if t["passes"] == 3 else ""))
+        _sequence_rows(rows, args, a, sp, micro_batch, seq_len, dtype, checkpointing)
     return {
         "collectives": rows,
         "bytes_per_kind": bytes_per(rows, "kind"),
@@ -254,6 +189,107 @@ def planned_traffic(
         "mics_shard_size": m, "quantized_weights": bool(quantized_weights),
         "quantized_gradients": bool(quantized_gradients), "formula": FORMULA,
     }
+
+
+def _zeropp_settings(ds: Optional[Any], hpz_partition_size: Optional[int],
+                     mics_shard_size: Optional[int], quantized_weights: Optional[bool],
+                     quantized_gradients: Optional[bool]) -> Tuple[int, int, bool, bool]:
+    """(hpZ size, MiCS size, qwZ, qgZ): as given, else ``ds``'s (``ds.zeropp``,
+    ``ds.mics_shard_size``), else off."""
+    zeropp = getattr(ds, "zeropp", None)
+    if hpz_partition_size is None:
+        hpz_partition_size = getattr(zeropp, "hpz_partition_size", 1)
+    if mics_shard_size is None:
+        mics_shard_size = getattr(ds, "mics_shard_size", 0)
+    if quantized_weights is None:
+        quantized_weights = bool(getattr(zeropp, "quantized_weights", False))
+    if quantized_gradients is None:
+        quantized_gradients = bool(getattr(zeropp, "quantized_gradients", False))
+    return (int(hpz_partition_size or 1), int(mics_shard_size or 0), quantized_weights,
+            quantized_gradients)
+
+
+def _zero12_rows(rows: List[Dict[str, Any]], args: "ModelArgs", psi: int, n: int, a: int,
+                 p: float, zero_stage: int, dtype: str, decay_embeddings: bool,
+                 decay_norms_and_biases: bool) -> List[int]:
+    """ZeRO-1/2's collectives into ``rows``; returns DeepSpeed's step scalars (bytes)."""
+    every = a if zero_stage == 2 else 1
+    _row(rows, "backward", "all_reduce", n, every * psi * p, every,
+         "gradients, whole, in reduce buckets" + (" every micro-batch" if every > 1 else ""))
+    groups = optimizer_groups(args, decay_embeddings, decay_norms_and_biases)
+    _row(rows, "step", "all_gather", n,
+         sum(_pad(k, ZERO12_ALIGNMENT * n) for k in groups) * p, len(groups),
+         f"updated weights: each optimizer group's flat buffer padded to "
+         f"{ZERO12_ALIGNMENT}N elements")
+    return DS_STEP_SCALARS[zero_stage] + ([BF16_ZERO12_FLAG] if dtype == "bf16" else [])
+
+
+def _zero3_rows(rows: List[Dict[str, Any]], args: "ModelArgs", n: int, a: int, p: float, h: int,
+                m: int, quantized_weights: bool, quantized_gradients: bool, g_node: int,
+                ds: Optional[Any], zero_overrides: Optional[Dict[str, int]]) -> List[int]:
+    """ZeRO-3's collectives (with hpZ, MiCS, qwZ, qgZ) into ``rows``; returns DeepSpeed's step
+    scalars (bytes)."""
+    from llama_train.model_args import param_shapes
+
+    sizes = _zero_sizes(args, ds, zero_overrides)
+    threshold = sizes["stage3_param_persistence_threshold"]
+    shard = m or n  # MiCS partitions within m ranks, ZeRO-3 within all
+    numels = [math.prod(shape) for _, shape in param_shapes(args)]
+    gathered = [k for k in numels if k > threshold]
+    kept = [k for k in numels if k <= threshold]
+    gathered_elems = sum(_pad(k, shard) for k in gathered)
+    w_bytes = (gathered_elems * (1 + 4 / QUANT_GROUP) if quantized_weights
+               else gathered_elems * p)
+    tag = " (int8 + scales)" if quantized_weights else ""
+    if h > 1:
+        # hpZ: a released parameter keeps a secondary partition within its h ranks until
+        # the optimizer step drops it, so only the first micro-batch's forward gathers
+        # over all N; the later forwards and every backward gather the same bytes within h
+        _row(rows, "forward", "all_gather", shard, w_bytes, len(gathered),
+             f"non-persistent weights, each padded to a multiple of {shard}{tag}: the "
+             f"first micro-batch (hpZ's secondary partition is cut as each is released)")
+        _row(rows, "forward", "all_gather", h, (a - 1) * w_bytes, (a - 1) * len(gathered),
+             f"the later micro-batches' forwards, from hpZ's secondary partition within "
+             f"{h} ranks")
+    else:
+        _row(rows, "forward", "all_gather", shard, a * w_bytes, a * len(gathered),
+             f"non-persistent weights, each padded to a multiple of {shard}{tag}")
+    _row(rows, "backward", "all_gather", h if h > 1 else shard, a * w_bytes,
+         a * len(gathered),
+         "the same again for the backward" + (f", from hpZ's secondary partition within "
+                                               f"{h} ranks" if h > 1 else ""))
+    grad_elems = sum(_pad(k, shard) for k in numels)
+    if quantized_gradients:
+        intra = min(g_node, shard)
+        q = grad_elems * (0.5 + 4 / QUANT_GROUP)
+        _row(rows, "backward", "all_to_all", intra, a * q, a * len(numels),
+             "qgZ: int4 gradients exchanged within the node")
+        _row(rows, "backward", "all_to_all", shard // intra, a * q / intra, a * len(numels),
+             "qgZ: the node's reduced 1/G exchanged across nodes", stride=intra)
+    else:
+        _row(rows, "backward", "reduce_scatter", shard, a * grad_elems * p, a * len(numels),
+             f"gradients, every parameter padded to a multiple of {shard}")
+    if m:
+        _row(rows, "step", "all_reduce", n // m, grad_elems / m * p, 1,
+             f"MiCS: the gradient shard averaged over the {n // m} replicas", stride=m)
+    _row(rows, "step", "all_gather", shard, sum(_pad(k, shard) for k in kept) * p,
+         len(kept), f"updated persistent weights (numel <= {threshold})")
+    return DS_STEP_SCALARS[3]
+
+
+def _sequence_rows(rows: List[Dict[str, Any]], args: "ModelArgs", a: int, sp: int,
+                   micro_batch: int, seq_len: Optional[int], dtype: str,
+                   checkpointing: Optional[bool]) -> None:
+    """DeepSpeed-Ulysses' all-to-alls (:func:`sequence_parallel_traffic`) into ``rows``."""
+    t = sequence_parallel_traffic(args, micro_batch=micro_batch, seq_len=seq_len,
+                                  sequence_parallel=sp, dtype=dtype,
+                                  checkpointing=checkpointing)
+    per_pass = t["bytes"] / t["passes"]
+    _row(rows, "forward", "all_to_all", sp, a * per_pass, a * t["calls"] // t["passes"],
+         "Ulysses: q, k, v and the attention output of every layer")
+    _row(rows, "backward", "all_to_all", sp, a * per_pass * (t["passes"] - 1),
+         a * t["calls"] * (t["passes"] - 1) // t["passes"],
+         "their gradients" + (" and the recomputed forward's" if t["passes"] == 3 else ""))
 
 
 def bytes_per(rows: List[Dict[str, Any]], key: str) -> Dict[str, int]:
