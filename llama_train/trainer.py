@@ -119,6 +119,7 @@ class Trainer:
         self.seq_mpu = parts.seq_mpu
         self.dp_rank = self.layout.dp_rank
         self.engine, self.module, self.loader = parts.engine, parts.module, parts.loader
+        self.eos_id = self.module.eos_id  # the token documents end with (document masking)
         self.tracker, self.state, self.recovery = parts.tracker, parts.state, parts.recovery
         self._register_parts()
         self.fpt, self.peak = parts.fpt, parts.peak
