@@ -211,6 +211,7 @@ t.cli()
 """
 
 
+@pytest.mark.slow  # an interpreter of its own: not in make test-fast's in-process tier
 @pytest.mark.parametrize("exc, code", [
     ('ConfigError("trainer.x=1 cannot run: set trainer.x=2")', 2),
     ('ValueError("bug: an internal invariant")', 1),

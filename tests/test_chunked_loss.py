@@ -219,6 +219,7 @@ _PEAK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # an interpreter of its own (two): not in make test-fast's in-process tier
 def test_measured_peak_of_forward_and_backward_shrinks():
     """Peak resident set above the idle one of one forward + backward, 32K vocabulary, 2048
     tokens: whole fp32 logits and gradient are 256 MiB each; a chunk of 256 tokens 32 MiB."""

@@ -93,6 +93,7 @@ def test_any_other_value_is_refused_naming_the_key_and_the_choices(bad):
         compose_cfg([*TINY, f"trainer.compile={bad}"])
 
 
+@pytest.mark.slow  # an interpreter of its own: not in make test-fast's in-process tier
 def test_a_bad_value_stops_the_entry_point_before_any_process_group(tmp_path):
     """Exit 2 with the one line, from the real entry point, without a process group."""
     import subprocess

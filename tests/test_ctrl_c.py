@@ -48,6 +48,7 @@ def test_ctrl_c_saves_the_step_and_says_how_to_resume(tmp_path):
     assert resumed_from(out) == [str(latest)], tail(tmp_path / "again.log")
     assert max(losses_so_far(out)) == int(step) + 1
 
+@pytest.mark.slow  # an interpreter of its own: not in make test-fast's in-process tier
 def test_ctrl_c_outside_the_loop_is_one_line_and_exit_130(tmp_path):
     """A Ctrl-C before the loop (data preparation, the process group, a resume's load) or after
     its last save: KeyboardInterrupt, which used to end the command with its traceback (killed

@@ -101,6 +101,7 @@ def _check(tmp_path, budget_s: float):
     return Check(tmp_path, budget_s, dry=False)
 
 
+@pytest.mark.slow  # waits on the check's timers: not in make test-fast's in-process tier
 def test_a_command_past_its_limit_is_killed_with_what_it_started(tmp_path):
     """A launcher's ranks and a bench's runs start their own sessions: the kill reaches them."""
     c = _check(tmp_path, 60)
@@ -123,6 +124,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # waits on the check's timers: not in make test-fast's in-process tier
 def test_stages_share_one_budget_and_each_is_written_as_it_ends(tmp_path):
     """A stage cut at its limit keeps what the stages before it wrote; a stage with less of the
     budget left than it needs is skipped, said so; every stage's seconds and limit are recorded."""
