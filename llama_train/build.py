@@ -156,8 +156,8 @@ def build_job(pre, job: Resolved) -> Components:
     # against that device's peak (N devices' peak would claim compute it never ran).
     peak = PeakFlops(rt.device, precision, 1 if rt.simulated else rt.world_size, t.peak_flops)
     return Components(hooks=hooks, ckpts=job.ckpts, resume=resume, run_config=run_config,
-                      precision=precision, sim=sim, simulation=simulation, seq_mpu=seq_mpu, engine=engine,
-                      module=module, loader=loader, tracker=tracker, state=state,
+                      precision=precision, sim=sim, simulation=simulation, seq_mpu=seq_mpu,
+                      engine=engine, module=module, loader=loader, tracker=tracker, state=state,
                       recovery=recovery, fpt=fpt, peak=peak,
                       files=RunFiles.of(pre, fpt, peak))
 

@@ -87,8 +87,6 @@ def plan_job(cfg: Config, rt: Any, scope: str = "run") -> JobPlan:
 def simulation_config(cfg):
     """The config a simulated rank trains with: W&B and the text sample switched off (a W&B
     run of one rank's numbers, a sample from mirrored weights: both would mislead)."""
-    from dataclasses import replace
-
     tracking = replace(cfg.tracking, wandb=replace(cfg.tracking.wandb, mode="disabled"))
     return replace(cfg, tracking=tracking, sample=replace(cfg.sample, tokens=0))
 
