@@ -59,6 +59,17 @@ def _pid_start(pid: int) -> Optional[float]:
         return None
 
 
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` has ended and only its exit status remains (a zombie: state Z or X in
+    /proc). A rank killed with its launcher waits to be reaped by init for a moment, and a
+    relaunch right after the kill found its lock "held" by it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False  # no /proc (not Linux), or gone since: os.kill decides
+
+
 def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
@@ -85,6 +96,8 @@ def alive(record: Dict[str, Any], now: Optional[float] = None) -> bool:
             return False
         except PermissionError:
             pass  # exists, another user's
+        if _exited(pid):  # killed, its exit status not yet collected by its parent (or init)
+            return False
         start, want = _pid_start(pid), record.get("pid_start")
         return start is None or want is None or abs(start - float(want)) < 1.0  # pid reused?
     return now - float(record.get("heartbeat", 0.0)) < STALE_S
@@ -110,6 +123,28 @@ def _refuse(output_dir: str, path: Path, record: Optional[Dict[str, Any]]) -> Co
     )
 
 
+EXITING_S = 10.0  # how long a lock whose holder has ended may still be held by its exiting kin
+
+
+def _flock_once_its_holder_has_ended(fd: int, path: Path) -> None:
+    """flock ``path`` (EWOULDBLOCK while another process holds it). The lock is held by the open
+    file, which the holder's forked DataLoader workers share: after a kill -9 of the job the
+    holder may be gone while they are still exiting. Then it waits for them, up to
+    :data:`EXITING_S`, instead of refusing a relaunch for a job that no longer runs."""
+    deadline = time.monotonic() + EXITING_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as e:
+            record = read_record(path)
+            if (e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or record is None
+                    or record.get("host") != socket.gethostname() or alive(record)
+                    or time.monotonic() >= deadline):
+                raise
+            time.sleep(0.1)
+
+
 class RunLock:
     """Rank 0's lock on an output directory; :meth:`release` (or process death) gives it up."""
 
@@ -130,7 +165,7 @@ class RunLock:
         try:
             flock_ok = True
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _flock_once_its_holder_has_ended(fd, self.path)
             except OSError as e:
                 flock_ok = False
                 if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):

@@ -258,6 +258,69 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, monkeypa
     lock.release()
 
 
+def test_a_holder_that_has_exited_but_is_not_yet_reaped_is_gone(tmp_path, monkeypatch):
+    """kill -9 of a job with its launcher: its rank 0 (the lock's holder) is a zombie until
+    init reaps it, and a relaunch at once found the lock still held by it."""
+    from llama_train.runlock import RunLock, alive, read_record
+
+    out = tmp_path / "locked"
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # this "job"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "MASTER_PORT": "2"})
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        record = read_record(out / ".lock")
+        assert alive(record)
+        os.kill(proc.pid, signal.SIGKILL)  # not waited for: a zombie until proc.wait()
+        assert wait_for(lambda: open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1]
+                        .split()[0] == "Z", 30, 0.05)
+        assert not alive(record)  # flock: free once its heartbeat thread has exited too
+        lock = RunLock(str(out)).acquire()
+        assert lock.took_over["pid"] == proc.pid
+        lock.release()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+HOLD_WITH_KIN = ("import os, sys, time; from llama_train.runlock import RunLock; "
+                 "RunLock(sys.argv[1]).acquire(); pid = os.fork(); "
+                 "time.sleep(2) if pid == 0 else print(pid, flush=True); "
+                 "os._exit(0) if pid == 0 else time.sleep(600)")
+
+
+def test_a_lock_still_held_by_an_ended_holders_exiting_kin_is_waited_for(tmp_path, monkeypatch):
+    """The flock belongs to the open file, which a rank's forked DataLoader workers share: after
+    a kill -9 of the holder they may hold it a moment longer. The relaunch waits for them
+    (runlock.EXITING_S) instead of refusing a directory no job uses."""
+    from llama_train.runlock import RunLock
+
+    out = tmp_path / "locked"
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_WITH_KIN, str(out)],
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "MASTER_PORT": "2"})
+    try:
+        kin = int(proc.stdout.readline())  # holds the same open file for ~2 s more
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        t0 = time.monotonic()
+        lock = RunLock(str(out)).acquire()
+        waited = time.monotonic() - t0
+        assert lock.took_over["pid"] == proc.pid
+        lock.release()
+        assert 1.0 < waited < 10, waited  # it waited for the kin (~2 s), then took over
+        try:  # the kin has ended: gone, or a zombie until init reaps it
+            with open(f"/proc/{kin}/stat") as f:
+                assert f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            pass
+    finally:
+        proc.kill()
+
+
 def test_lock_heartbeat_is_refreshed(tmp_path, monkeypatch):
     from llama_train import runlock
     from llama_train.runlock import RunLock, read_record
