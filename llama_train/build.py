@@ -65,8 +65,9 @@ class Components:
     resume: Optional[ResumeCheck]  # the checkpoint to continue, its changes and timings
     run_config: Any  # the config as the run records it (config.yaml, checkpoints, W&B)
     precision: str
-    sim: Optional[Simulation]  # comm.simulate_ranks: this rank's measurements
-    simulation: NoSimulation  # the loop's points of a simulated rank (SimulationReport), or none
+    # comm.simulate_ranks: the loop's points of a simulated rank (SimulationReport: this
+    # rank's measurements), or none
+    simulation: NoSimulation
     seq_mpu: Any  # the layout's sequence groups (DeepSpeed's mpu; None without parallel.sequence)
     engine: Any  # eng.Engine, metered when simulated or counting traffic
     module: TrainModule
@@ -156,7 +157,7 @@ def build_job(pre, job: Resolved) -> Components:
     # against that device's peak (N devices' peak would claim compute it never ran).
     peak = PeakFlops(rt.device, precision, 1 if rt.simulated else rt.world_size, t.peak_flops)
     return Components(hooks=hooks, ckpts=job.ckpts, resume=resume, run_config=run_config,
-                      precision=precision, sim=sim, simulation=simulation, seq_mpu=seq_mpu,
+                      precision=precision, simulation=simulation, seq_mpu=seq_mpu,
                       engine=engine, module=module, loader=loader, tracker=tracker, state=state,
                       recovery=recovery, fpt=fpt, peak=peak,
                       files=RunFiles.of(pre, fpt, peak))

@@ -392,6 +392,11 @@ class NoSimulation:
     def final_val_loss(self, val_loss: Optional[float]) -> Optional[float]:
         return val_loss
 
+    def checkpoint_entry(self) -> Optional[Dict[str, int]]:
+        """What a checkpoint says of the rank that saved it (trainer_state.json's
+        ``simulated``): nothing, a real rank's checkpoint is the job's."""
+        return None
+
     def report(self, restore, last_good: Optional[Path]) -> Optional[Dict[str, Any]]:
         return None
 
@@ -427,6 +432,10 @@ class SimulationReport(NoSimulation):
 
     def final_val_loss(self, val_loss: Optional[float]) -> Optional[float]:
         return None  # not the job's
+
+    def checkpoint_entry(self) -> Optional[Dict[str, int]]:
+        """A simulated rank's checkpoint holds its shard only: it says so, and of which job."""
+        return {"ranks": self.sim.rt.world_size, "rank": self.sim.rt.rank}
 
     def report(self, restore, last_good: Optional[Path]) -> Optional[Dict[str, Any]]:
         """The report: the saved checkpoint (``last_good``) is loaded back first (``restore``)

@@ -114,8 +114,8 @@ class Trainer:
         self.resume_s: Dict[str, float] = dict(resume.seconds) if resume is not None else {}
         self.universal = resume is not None and resume.universal
         self.run_config = parts.run_config
-        self.sim = parts.sim  # its checkpoints say so (_register_parts)
-        self.simulation = parts.simulation  # a simulated rank's measurements and names, or none
+        # a simulated rank's measurements and names (its checkpoints say so), or none
+        self.simulation = parts.simulation
         self.seq_mpu = parts.seq_mpu
         self.dp_rank = self.layout.dp_rank
         self.engine, self.module, self.loader = parts.engine, parts.module, parts.loader
@@ -374,7 +374,7 @@ class Trainer:
         knows whether the checkpoint is another run's; rewound by a rollback), then the facts
         of the save a resume is judged by (llama_train.resume), never loaded back. Per rank
         (``ranks/rank_N.pt``): the RNGs."""
-        rt, sim = self.rt, self.sim
+        rt = self.rt
         self.parts = StateRegistry()
         self.parts.register("train", self.state, merged=True)
         self.parts.register("data", self.loader)
@@ -384,9 +384,9 @@ class Trainer:
                                           "global_batch": self.plan.global_batch,
                                           "seq_len": self.cfg.trainer.seq_len}),
                             merged=True, restore=False)
-        if sim is not None:  # a simulated rank's checkpoint holds its shard only
-            self.parts.register("simulated", Fixed({"ranks": rt.world_size, "rank": rt.rank}),
-                                restore=False)
+        simulated = self.simulation.checkpoint_entry()
+        if simulated is not None:  # a simulated rank's checkpoint holds its shard only
+            self.parts.register("simulated", Fixed(simulated), restore=False)
         self.rank_parts = StateRegistry()
         self.rank_parts.register("rng", RngState())
 

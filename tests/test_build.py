@@ -19,7 +19,7 @@ from helpers import cfg_for
 
 pytestmark = pytest.mark.usefixtures("one_rank")  # conftest.py: a world of one
 
-PARTS = ["hooks", "ckpts", "resume", "run_config", "precision", "sim", "simulation", "seq_mpu",
+PARTS = ["hooks", "ckpts", "resume", "run_config", "precision", "simulation", "seq_mpu",
          "engine", "module", "loader", "tracker", "state", "recovery", "fpt", "peak", "files"]
 
 
@@ -54,7 +54,7 @@ def test_build_job_makes_every_part_and_the_trainer_drives_them(tmp_path):
         assert isinstance(parts.module, TrainModule) and isinstance(parts.tracker, Tracker)
         assert isinstance(parts.state, TrainState) and parts.state.step == 0
         assert isinstance(parts.recovery, Recovery) and isinstance(parts.files, RunFiles)
-        assert parts.sim is None and type(parts.simulation) is NoSimulation  # a real rank
+        assert type(parts.simulation) is NoSimulation  # a real rank
         assert not isinstance(parts.simulation, SimulationReport)
         assert parts.seq_mpu is None  # no parallel.sequence
         assert parts.fpt > 0 and parts.peak.value > 0 and parts.precision
@@ -76,7 +76,7 @@ def test_build_job_makes_every_part_and_the_trainer_drives_them(tmp_path):
 
 def test_the_trainer_builds_nothing_and_its_loop_has_no_simulation_branch():
     """Trainer.__init__ takes the Components; what differs on a simulated rank is the component
-    build_job chose (the checkpoint's ``simulated`` entry in _register_parts aside), and the
+    build_job chose (the checkpoint's ``simulated`` entry included: the component's), and the
     rank-0 files are RunFiles'."""
     from llama_train import trainer
 
@@ -87,8 +87,6 @@ def test_the_trainer_builds_nothing_and_its_loop_has_no_simulation_branch():
                   "Simulation(", "init_sequence_parallel", "initialize("):
         assert built not in init, built
     for name, fn in inspect.getmembers(trainer.Trainer, inspect.isfunction):
-        if name == "_register_parts":
-            continue
         src = inspect.getsource(fn)
         for branch in ("self.sim is", "if self.sim", "self.sim.", "rt.simulated", "sim is None",
                        "sim is not None"):
@@ -107,9 +105,10 @@ def test_the_simulation_component_renames_and_reports_only_when_simulated():
     assert (real.own_share, real.loss_label, real.val_prefix, real.mfu_note) == (1.0, "loss", "",
                                                                                 "")
     assert real.summarizes and real.report(lambda c: pytest.fail("restored"), Path("c")) is None
+    assert real.checkpoint_entry() is None  # a real rank's checkpoint is the job's
 
     seen = []
-    sim = SimpleNamespace(rt=SimpleNamespace(world_size=4), first_step=0,
+    sim = SimpleNamespace(rt=SimpleNamespace(world_size=4, rank=3), first_step=0,
                           saved=lambda ckpt: seen.append(ckpt),
                           phase=lambda name: seen.append(name))
     simulated = simulation_of(sim)
@@ -119,6 +118,7 @@ def test_the_simulation_component_renames_and_reports_only_when_simulated():
     assert simulated.final_val_loss(3.0) is None and not simulated.summarizes
     assert simulated.own_share == 0.25 and "1/4" in simulated.mfu_note
     assert simulated.loss_label == "rank_loss (simulated)"
+    assert simulated.checkpoint_entry() == {"ranks": 4, "rank": 3}
     simulated.saved(Path("step_2"))
     simulated.phase("save")
     simulated.resumed(6)

@@ -18,6 +18,7 @@ import torch
 
 from llama_train.checkpoint import (CheckpointMeta, Fixed, RngState, StateRegistry, read_state,
                                     rng_state)
+from llama_train.simulation import NoSimulation, SimulationReport
 from llama_train.trainer import Trainer, TrainState
 
 
@@ -42,20 +43,21 @@ def trainer_stub(simulated: bool, fresh: bool = False):
     loader = Part({"consumed_samples": 32, "seed": 1234, "seq_len": 64, "global_batch": 4,
                    "data_fingerprint": "e82a"})
     tracker = Part({"wandb_run_id": None, "metrics_lines": 9})
+    rt = SimpleNamespace(world_size=2, rank=1)
     return SimpleNamespace(
-        state=state, loader=loader, tracker=tracker,
-        rt=SimpleNamespace(world_size=2, rank=1),
+        state=state, loader=loader, tracker=tracker, rt=rt,
         cfg=SimpleNamespace(deepspeed=SimpleNamespace(zero_stage=2),
                             trainer=SimpleNamespace(seq_len=64)),
         plan=SimpleNamespace(global_batch=4),
-        sim=object() if simulated else None)
+        # the loop's simulation component, as build_job chooses it (the same rank's rt)
+        simulation=SimulationReport(SimpleNamespace(rt=rt)) if simulated else NoSimulation())
 
 
 def before(t) -> dict:
     """trainer_state.json as Trainer._save and Trainer.save built it by hand before the registry
     (commit 39155e2), for the same parts."""
     extra = ({"simulated": {"ranks": t.rt.world_size, "rank": t.rt.rank}}
-             if t.sim is not None else {})
+             if isinstance(t.simulation, SimulationReport) else {})
     return {**t.state.state_dict(), "data": t.loader.state_dict(),
             "tracker": t.tracker.state_dict(),
             "world_size": t.rt.world_size,
