@@ -1,7 +1,7 @@
-"""Callbacks a :class:`~llama_train.trainer.Trainer` calls at fixed points of a step.
+"""Callbacks a :class:`~llama_train.job.trainer.Trainer` calls at fixed points of a step.
 
 Everything that is not training itself but wants a say in the loop plugs in here instead of
-patching modules: fault injection (llama_train.faults), the lock-step turns of ``llama-bench
+patching modules: fault injection (llama_train.job.faults), the lock-step turns of ``llama-bench
 train``. The base class does nothing. The checkpoint manager calls the two checkpoint hooks
 around the files of a save, so a fault can be injected exactly there.
 """

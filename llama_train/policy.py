@@ -1,7 +1,7 @@
 """How a config field behaves when a run is resumed, declared on the field itself.
 
 Every config dataclass marks its fields here (``dataclasses.field`` metadata); one reader,
-:mod:`llama_train.resume`, decides from the marks whether a checkpoint can continue under a
+:mod:`llama_train.job.resume`, decides from the marks whether a checkpoint can continue under a
 changed config. A field without a mark defines the run: it must match the checkpoint unless
 ``trainer.allow_config_change`` names it. A mark on a field whose value is a config group
 (``Config.recovery``) covers every key under it. A leaf module: the config modules import it,

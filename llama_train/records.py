@@ -124,7 +124,7 @@ class RunInfo:
     final_step: Optional[int] = None
     """The step the run ended at; None while it runs (and then neither final_* is written)."""
     simulation: Optional[Dict[str, Any]] = None
-    """A simulated rank's report (``comm.simulate_ranks``, llama_train.simulation): per phase
+    """A simulated rank's report (``comm.simulate_ranks``, llama_train.job.simulation): per phase
     the peak memory, seconds and the planner's figure; the checkpoint's bytes. Written only by
     a simulated run."""
 

@@ -1,6 +1,6 @@
 """``llama-train``: the Hydra app and its exit codes. Composes the config, runs
-:func:`llama_train.preflight.preflight` (checks and data, before any process group exists), then
-:func:`llama_train.trainer.start` and the loop; turns every failure into an exit code and one
+:func:`llama_train.job.preflight.preflight` (checks and data, before any process group exists), then
+:func:`llama_train.job.trainer.start` and the loop; turns every failure into an exit code and one
 line that says what to do.
 
 Works unchanged under the ``deepspeed`` launcher (its ``--local_rank=N`` is taken off argv before
@@ -28,13 +28,13 @@ import hydra
 from omegaconf import DictConfig
 
 from llama_train.config import Config, ConfigError, load_config
-from llama_train.config_source import ConfigSource, _cli_overrides, config_source
 from llama_train.errors import BadInput
 from llama_train.hooks import Hook
+from llama_train.job.config_source import ConfigSource, _cli_overrides, config_source
+from llama_train.job.preflight import preflight, setup_logging
+from llama_train.job.sweep import _check_sweep, _register_sweep_subdir, sweep_job_dir
 from llama_train.paths import CONFIG_DIR  # noqa: F401 - read here by programs and tests
-from llama_train.preflight import preflight, setup_logging
 from llama_train.proc import exit_skipping_teardown, limit_retained_heap
-from llama_train.sweep import _check_sweep, _register_sweep_subdir, sweep_job_dir
 from llama_train.util import free_bytes, say_error, within
 
 log = logging.getLogger("llama_train")
@@ -42,7 +42,7 @@ log = logging.getLogger("llama_train")
 
 def train(cfg: Config, hooks: Sequence[Hook] = ()) -> Dict[str, Any]:
     """The whole job in this process (one rank, or one of the launcher's)."""
-    from llama_train.trainer import start
+    from llama_train.job.trainer import start
 
     pre = preflight(cfg)
     try:
@@ -83,7 +83,7 @@ def _strip_launcher_args(argv: List[str]) -> List[str]:
 # ValueError is a bug, exit 1 with its traceback), 3 a checkpoint could not be saved or
 # loaded, 4 the fault policy gave up, 5 another rank was lost, 6 a DataLoader worker died
 # (llama_train.data.loader.DataWorkerDied, raised as a DataInterrupted with its exit_code);
-# 128+N stopped by signal N (llama_train.trainer.StopSignals).
+# 128+N stopped by signal N (llama_train.job.trainer.StopSignals).
 EXIT_BAD_INPUT, EXIT_CHECKPOINT, EXIT_ABORTED, EXIT_LOST_RANK = 2, 3, 4, 5
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C: 130, as a shell reports a command it ended
 LOST_RANK_EXIT_DELAY_S = 2.5
@@ -93,16 +93,16 @@ def run_job(dcfg: DictConfig, hooks: Sequence[Hook] = ()) -> Optional[float]:
     """One Hydra job (one of a --multirun sweep): train, and turn failures into exit codes."""
     from llama_train.checkpoint import CheckpointError
     from llama_train.data.errors import DataInterrupted
-    from llama_train.faults import find_comm_error
-    from llama_train.recovery import TrainingAborted
-    from llama_train.trainer import start
+    from llama_train.job.faults import find_comm_error
+    from llama_train.job.recovery import TrainingAborted
+    from llama_train.job.trainer import start
 
     trainer = pre = cfg = None
     try:
         cfg = load_config(dcfg)
         cfg, own_dir = sweep_job_dir(cfg, dcfg)
         if cfg.trainer.dry_run:
-            from llama_train.dry_run import dry_run
+            from llama_train.job.dry_run import dry_run
 
             dry_run(cfg)
             return None
@@ -249,7 +249,7 @@ def _exit_lost_rank(comm: BaseException, timeout_s: float, step: Optional[int]) 
     import torch.distributed as dist
 
     from llama_train import watchdog
-    from llama_train.faults import diagnose_lost_ranks
+    from llama_train.job.faults import diagnose_lost_ranks
 
     # The launcher is tearing the job down: a DataLoader worker it terminates must not
     # interrupt the diagnosis through torch's SIGCHLD handler, and the SIGTERM it sends this
@@ -339,7 +339,7 @@ def main(hooks: Sequence[Hook] = ()) -> None:
             _fail(EXIT_BAD_INPUT, e)
     overrides = _job_config_request(sys.argv[1:])
     if overrides is not None:  # --cfg job: the config the run trains with, not the composed one
-        from llama_train.dry_run import print_job_config
+        from llama_train.job.dry_run import print_job_config
 
         try:
             print_job_config(overrides)

@@ -77,7 +77,7 @@ def one_rank():
 @pytest.fixture
 def faults(monkeypatch):
     """``faults("kind:k=v;...")`` sets LLAMA_TRAIN_FAULTS for the in-process runs of one test
-    (llama_train.faults); unset before and after."""
+    (llama_train.job.faults); unset before and after."""
     def set_faults(spec: str) -> None:
         monkeypatch.setenv("LLAMA_TRAIN_FAULTS", spec)
     monkeypatch.delenv("LLAMA_TRAIN_FAULTS", raising=False)

@@ -154,8 +154,10 @@ def test_graph_sees_the_imports(mods):
     assert "llama_train.model" in mods and "llama_train.data.loader" in mods
     assert "llama_train.util" in mods["llama_train.data.loader"].internal  # absolute, module level
     assert "llama_train.data.packed" in mods["llama_train.data.loader"].internal  # relative
-    assert "torch" in mods["llama_train.model"].external
-    assert "llama_train.paths" in mods["llama_train.model_args"].internal  # inside list_presets()
+    assert "torch" in mods["llama_train.model.transformer"].external
+    # the model package's lazy half: an import inside its module __getattr__
+    assert "llama_train.model.transformer" in mods["llama_train.model"].internal
+    assert "llama_train.paths" in mods["llama_train.model.args"].internal  # inside list_presets()
 
 
 def test_no_import_cycles_between_modules(mods):
@@ -168,9 +170,9 @@ def test_no_import_cycles_between_modules(mods):
 
 
 def test_no_import_cycles_between_packages(mods):
-    """Subpackages and top-level modules (scaling/, data/, plot.py, ...) point one way: a cycle
-    through two modules of different packages is a cycle of the packages even when no single
-    module closes it (scaling.cli -> plot -> scaling.fit)."""
+    """Subpackages and top-level modules (scaling/, data/, job/, metrics/, hooks.py, ...) point
+    one way: a cycle through two modules of different packages is a cycle of the packages even
+    when no single module closes it (scaling.cli -> metrics.plot -> scaling.fit)."""
     graph: Dict[str, Set[str]] = {}
     for n, m in mods.items():
         graph.setdefault(component(n), set()).update(
@@ -198,22 +200,24 @@ def test_deepspeed_is_imported_only_by_the_engine(mods):
 
 
 # The layers of docs/architecture.md, top down: a module never imports one of a higher layer.
-LOOP = {"train", "dry_run", "preflight", "trainer", "build", "train_module", "train_state",
-        "progress", "compile_watch", "run_files", "checkpoint", "resume", "tracking", "recovery",
-        "faults", "sample", "runlock", "simulation", "plan"}
-FOUNDATION = {"config", "policy", "records", "util", "proc", "paths", "model", "model_args", "model_ops",
-              "optim", "hooks", "flops", "watchdog", "comm", "data.config", "meter", "errors",
-              "layout"}
+# Each entry is a module or a package (all its modules); the longest entry that names a module
+# decides its layer (job.optim is a foundation inside the loop's job/).
+LOOP = {"train", "job", "checkpoint", "metrics.tracking", "inference.sample"}
+ENGINE = {"engine"}
+FOUNDATION = {"config", "comm", "policy", "records", "util", "proc", "paths", "model", "job.optim",
+              "hooks", "engine.flops", "metrics.meter", "watchdog", "data.config", "errors",
+              "layout", "bounds"}
+LAYERS = {**{n: "loop" for n in LOOP}, **{n: "engine" for n in ENGINE},
+          **{n: "foundation" for n in FOUNDATION}}
 
 
 def _layer(name: str) -> str:
     short = name.removeprefix("llama_train.")
-    if short == "engine" or short.startswith("engine."):
-        return "engine"
-    if short.split(".")[0] in LOOP:  # checkpoint/'s modules too
-        return "loop"
-    if short in FOUNDATION or short.split(".")[0] in ("comm", "config"):
-        return "foundation"
+    parts = short.split(".")
+    for i in range(len(parts), 0, -1):  # the longest entry first
+        entry = ".".join(parts[:i])
+        if entry in LAYERS:
+            return LAYERS[entry]
     return "other"
 
 
@@ -228,7 +232,49 @@ def test_dependencies_point_down(mods):
                    and not n.startswith("llama_train.bench."))
     assert not entry, f"{entry} import llama_train.train (the entry point): only bench/ may"
     assert {_layer(f"llama_train.{n}") for n in LOOP} == {"loop"}
-    assert all(f"llama_train.{n}" in mods for n in LOOP | FOUNDATION), "a layer names a module that is gone"
+    assert {_layer(f"llama_train.{n}") for n in FOUNDATION} == {"foundation"}
+    assert all(f"llama_train.{n}" in mods for n in LAYERS), "a layer names a module that is gone"
+    # every module of the job, the model and the engine has its layer (the shims have none)
+    for pkg, layer in (("job", "loop"), ("checkpoint", "loop"), ("engine", "engine"),
+                       ("model", "foundation"), ("config", "foundation"), ("comm", "foundation")):
+        assert {_layer(n) for n in mods if n.startswith(f"llama_train.{pkg}.")} <= {layer,
+                                                                                  "foundation"}, pkg
+    assert {_layer(f"llama_train.{n}") for n in TOP_LEVEL - {"train"}} == {"foundation"}
+
+
+# The top level (docs/architecture.md's table of packages): the entry point, the foundations and
+# the helper of the old paths' shims; every other top-level file is a shim (tests/test_old_paths.py
+# checks each one at run time).
+TOP_LEVEL = {"train", "errors", "paths", "util", "proc", "records", "layout", "bounds",
+             "policy", "hooks", "watchdog"}
+PACKAGES = {"bench", "checkpoint", "comm", "config", "data", "engine", "hf", "scaling", "job",
+            "model", "metrics", "inference"}
+SHIM = re.compile(r'"""Moved to :mod:`(llama_train\.[\w.]+)` \(issue 57\); this path keeps '
+                  r'working, deprecated\."""\n\nfrom llama_train\._moved import alias\n\n'
+                  r'alias\(__name__, "\1"\)\n')
+
+
+def test_the_top_level_holds_foundations_and_shims(mods):
+    pkgs = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert pkgs == PACKAGES, f"llama_train/ holds the packages {sorted(pkgs)}: list them here and in docs/architecture.md"
+    docs = ARCHITECTURE.read_text()
+    for pkg in PACKAGES:
+        assert f"`{pkg}/`" in docs, f"docs/architecture.md's table of packages lacks {pkg}/"
+    shims = {}
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.stem in TOP_LEVEL | {"__init__"}:
+            continue
+        m = SHIM.fullmatch(path.read_text())
+        assert m, f"llama_train/{path.name} is neither a foundation (TOP_LEVEL) nor an old path's shim"
+        shims[path.stem] = m.group(1)
+        assert m.group(1) in mods and m.group(1) not in (f"llama_train.{s}" for s in shims), path
+        # a shim is its own package in the graph: one import, of the helper
+        assert mods[f"llama_train.{path.stem}"].internal == {"llama_train._moved"}, path
+    assert all(f"llama_train.{n}" in mods for n in TOP_LEVEL)
+    # nothing of the package imports an old path (the shims warn: new code uses the new ones)
+    users = sorted(f"{n} -> {t}" for n, m in mods.items() for t in m.internal
+                   if t.removeprefix("llama_train.") in shims)
+    assert not users, "modules that import an old (deprecated) path:\n  " + "\n  ".join(users)
 
 
 def test_errors_is_the_bottom(mods):
@@ -259,10 +305,11 @@ def test_checkpoint_modules_import_only_downward(mods):
     assert documented == CHECKPOINT, "docs/architecture.md's checkpoint/ table, in this order"
 
 
-@pytest.mark.parametrize("name", ["llama_train.model", "llama_train.model_ops"])
+@pytest.mark.parametrize("name", ["llama_train.model", "llama_train.model.transformer",
+                                  "llama_train.model.ops", "llama_train.model.weights"])
 def test_model_knows_no_distribution(mods, name):
-    """model.py (and the module it re-exports) import neither deepspeed nor torch.distributed,
-    nor does anything of llama_train they import."""
+    """model/ (the package, whose lazy half is transformer.py, and each of its modules) imports
+    neither deepspeed nor torch.distributed, nor does anything of llama_train they import."""
     seen, todo = set(), [name]
     while todo:
         n = todo.pop()
@@ -274,6 +321,26 @@ def test_model_knows_no_distribution(mods, name):
                  if x.split(".")[0] == "deepspeed" or x == "torch.distributed"
                  or x.startswith("torch.distributed."))
     assert not bad, f"{name} reaches distributed code: {bad}"
+
+
+def _reach(mods, name: str) -> Set[str]:
+    seen, todo = set(), [name]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += sorted(mods[n].internal)
+    return seen
+
+
+def test_model_args_imports_no_torch(mods):
+    """model/args.py (ModelArgs: the config's model group, ``llama-train --help``) and all it
+    imports of llama_train name no torch, not even inside a function; the model package imports
+    it at once and the rest lazily (the test below imports it)."""
+    bad = sorted(f"{n}: {x}" for n in _reach(mods, "llama_train.model.args")
+                 for x in mods[n].external if x.split(".")[0] in ("torch", "deepspeed"))
+    assert not bad, bad
+    assert "llama_train.model.args" not in mods["llama_train.model.transformer"].external
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +413,9 @@ def test_the_entry_point_and_config_import_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, llama_train.train, llama_train.config, llama_train.generate, "
-            "llama_train.model_args; print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))")
+    code = ("import sys, llama_train.train, llama_train.config, llama_train.inference.generate, "
+            "llama_train.model, llama_train.model.args, llama_train.job, llama_train.metrics; "
+            "from llama_train.model import ModelArgs, count_params; "
+            "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

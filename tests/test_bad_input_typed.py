@@ -25,12 +25,12 @@ def _error_classes():
     from llama_train.checkpoint import NotACheckpoint
     from llama_train.data.errors import DataChanged, DataError
     from llama_train.engine.distributed import RendezvousError
-    from llama_train.faults import FaultSpecError
     from llama_train.hf import NotALlamaModel
+    from llama_train.job.faults import FaultSpecError
+    from llama_train.job.resume import ResumeRefused
+    from llama_train.model.weights import WeightsError
     from llama_train.paths import PathRefused
-    from llama_train.resume import ResumeRefused
     from llama_train.scaling.laws import ScalingError
-    from llama_train.weights import WeightsError
 
     return [ConfigError, DataError, DataChanged, WeightsError, NotALlamaModel, PathRefused,
             ScalingError, FaultSpecError, RendezvousError, ResumeRefused, NotACheckpoint]
@@ -62,7 +62,7 @@ def test_config_error_is_one_class_wherever_it_is_imported_from():
     (dict(rope_scaling={"factr": 8}), "unknown key(s) model.rope_scaling.factr"),
 ])
 def test_model_args_checks_raise_config_error(fields, fragment):
-    from llama_train.model_args import ModelArgs
+    from llama_train.model.args import ModelArgs
 
     with pytest.raises(ConfigError) as e:
         ModelArgs(**{"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, **fields})
@@ -71,7 +71,7 @@ def test_model_args_checks_raise_config_error(fields, fragment):
 
 def test_model_presets_and_comm_settings_raise_config_error(tmp_path):
     from llama_train.comm import CommConfig, check_backend, normalize_nccl_algo
-    from llama_train.model_args import ModelArgs, load_preset
+    from llama_train.model.args import ModelArgs, load_preset
 
     with pytest.raises(ConfigError, match="unknown model config key"):
         ModelArgs.from_dict({"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "dmi": 1})
@@ -93,7 +93,7 @@ def test_model_presets_and_comm_settings_raise_config_error(tmp_path):
 
 def test_hugging_face_files_raise_weights_error(tmp_path):
     from llama_train.hf import from_hf_config, import_hf
-    from llama_train.weights import WeightsError
+    from llama_train.model.weights import WeightsError
 
     base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
             "intermediate_size": 192, "vocab_size": 256}
@@ -117,7 +117,7 @@ def test_internal_invariants_stay_plain_value_errors():
     import torch
 
     from llama_train.model import ModelArgs, Transformer
-    from llama_train.model_ops import sample_next_token
+    from llama_train.model.ops import sample_next_token
 
     with pytest.raises(ValueError) as e:
         sample_next_token(torch.zeros(1, 4), temperature=-1.0)
@@ -165,7 +165,7 @@ def test_a_bare_value_error_in_the_job_is_a_bug_that_propagates(exc, tmp_path, m
 
 
 def test_cfg_job_turns_only_bad_input_into_exit_2(monkeypatch, capsys):
-    import llama_train.dry_run as dry_run
+    import llama_train.job.dry_run as dry_run
 
     monkeypatch.setattr(dry_run, "print_job_config", _raising(ConfigError("model.dim=1: no")))
     code, text = run_main([*TINY, "--cfg", "job"], monkeypatch, capsys, port=False)
@@ -180,7 +180,7 @@ def test_cfg_job_turns_only_bad_input_into_exit_2(monkeypatch, capsys):
 def test_a_sweeps_check_turns_only_bad_input_into_exit_2(tmp_path, monkeypatch, capsys):
     """--multirun checks every job's config first: a ConfigError names the job (exit 2), a bare
     ValueError there is a bug and propagates."""
-    import llama_train.sweep as sweep_mod  # where the sweep check loads each job's config
+    import llama_train.job.sweep as sweep_mod  # where the sweep check loads each job's config
 
     argv = ["--multirun", *TINY, f"trainer.output_dir={tmp_path}", "optim.lr=1e-3,2e-3"]
     monkeypatch.setattr(sweep_mod, "load_config", _raising(ConfigError("optim.lr: no")))

@@ -351,7 +351,7 @@ def test_refusals_come_before_the_data_and_the_process_group(finished, monkeypat
                                                 f"trainer.output_dir={tmp_path / 'x'}"],
                       ["comm.backend=nccl", "gloo"]))
     locked = tmp_path / "locked"
-    hold = ("import sys, time; from llama_train.runlock import RunLock; "
+    hold = ("import sys, time; from llama_train.job.runlock import RunLock; "
             "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", hold, str(locked)], stdout=subprocess.PIPE,
                               text=True, env={**os.environ, "MASTER_ADDR": "10.9.9.9"})

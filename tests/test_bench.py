@@ -31,7 +31,7 @@ def test_train_bench_rejects_bad_options(capsys):
         mem_bench.parse_args(["--stages", "4"])
 
 
-# ---- MFU's peak: llama-train's own (llama_train.flops.PeakFlops), never a matmul timed here ------
+# ---- MFU's peak: llama-train's own (llama_train.engine.flops.PeakFlops), never a matmul timed here
 
 
 def _fake_run(step_s: float, logged_peak=None) -> dict:
@@ -117,7 +117,7 @@ def test_train_bench_peak_on_cpu_is_llama_trains_cached_measurement(monkeypatch)
     machine: the matmul measured once and cached per thread count (not re-timed per round)."""
     import torch
 
-    from llama_train import flops
+    from llama_train.engine import flops
 
     r, overrides = _offline_bench(monkeypatch)
     assert not any(o.startswith("trainer.peak_flops") for o in overrides)
@@ -142,13 +142,13 @@ def test_model_matmul_mix_covers_every_matmul_weight():
 
 @pytest.mark.parametrize("tied, decay_norms", [(False, False), (True, False), (False, True)])
 def test_hf_optimizer_decays_what_llama_train_decays(tied, decay_norms):
-    """The HF side's AdamW groups come from llama_train.optim's rule on our parameter names."""
+    """The HF side's AdamW groups come from llama_train.job.optim's rule on our parameter names."""
     import dataclasses
 
     from llama_train.bench.hf_baseline import build_hf_model, make_adamw
     from llama_train.config import OptimConfig
+    from llama_train.job.optim import param_groups
     from llama_train.model import Transformer, load_preset
-    from llama_train.optim import param_groups
 
     margs = dataclasses.replace(load_preset("tiny"), tie_embeddings=tied)
     cfg = OptimConfig(weight_decay=0.05, decay_norms_and_biases=decay_norms)
@@ -327,7 +327,7 @@ def test_train_bench_json_keeps_the_old_peak_keys_with_a_deprecation_note():
     import argparse
 
     from llama_train.bench.report import build_report
-    from llama_train.flops import PeakFlops
+    from llama_train.engine.flops import PeakFlops
     from llama_train.model import load_preset
 
     import torch

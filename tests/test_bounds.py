@@ -21,7 +21,7 @@ import pytest
 
 from helpers import REPO, TINY, compose_cfg, free_port, run_main, spawn, tail, wait_for
 from llama_train.config import Config
-from llama_train.preflight import preflight
+from llama_train.job.preflight import preflight
 
 pytestmark = pytest.mark.usefixtures("one_rank")  # conftest.py: a world of one
 
@@ -208,7 +208,7 @@ def test_a_simulated_group_beyond_the_bound_is_refused():
     import datetime
 
     from llama_train.comm import simulate
-    from llama_train.simulation import MAX_RANKS
+    from llama_train.job.simulation import MAX_RANKS
 
     for rank, world in ((0, 1_000_000), (0, MAX_RANKS + 1), (5, 4), (0, 1)):
         with pytest.raises(ValueError, match="comm.simulate_ranks"):
@@ -231,7 +231,7 @@ def test_a_simulated_group_beyond_the_bound_is_refused():
 def test_llama_eval_refuses_options_at_once(argv, says, tmp_path, capsys):
     """``llama-eval --limit -1`` failed after 72 s of building tasks: now exit 2 before the
     checkpoint is looked at (it does not exist: the option must be what is named)."""
-    from llama_train.downstream import main
+    from llama_train.inference.downstream import main
 
     t0 = time.monotonic()
     with pytest.raises(SystemExit) as e:
@@ -254,7 +254,7 @@ def test_llama_eval_refuses_options_at_once(argv, says, tmp_path, capsys):
 ])
 def test_llama_generate_refuses_options_at_once(argv, says, tmp_path, capsys):
     """``--temperature nan`` was a traceback after the load (``inf`` sampled uniformly)."""
-    from llama_train.generate import main
+    from llama_train.inference.generate import main
 
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path / "nowhere"), *argv])
@@ -309,7 +309,7 @@ def test_sigterm_during_a_simulated_save_stops_promptly(tmp_path):
     by the slow_save fault): the save completes, the next step saves and the run exits 143
     (128 + SIGTERM) with the stopped line, within seconds as a real rank does. At 1,000,000
     ranks (refused now) each save took 57 s and the SIGTERM'd run exited after 128 s."""
-    from llama_train.simulation import MAX_RANKS
+    from llama_train.job.simulation import MAX_RANKS
 
     out, log = tmp_path / "out", tmp_path / "train.log"
     cmd = [sys.executable, "-m", "llama_train.train", *TINY, f"trainer.output_dir={out}",

@@ -1,7 +1,7 @@
-"""One build (issue 57): the job's parts built once by llama_train.build (resolve_job ->
+"""One build (issue 57): the job's parts built once by llama_train.job.build (resolve_job ->
 build_job -> Components), the Trainer driving them; a simulated rank as a component choice
-(llama_train.simulation's NoSimulation / SimulationReport); the files rank 0 alone writes in one
-component (llama_train.run_files.RunFiles).
+(llama_train.job.simulation's NoSimulation / SimulationReport); the files rank 0 alone writes in one
+component (llama_train.job.run_files.RunFiles).
 
 In this process on one rank (the fast tier)."""
 
@@ -24,18 +24,18 @@ PARTS = ["hooks", "ckpts", "resume", "run_config", "precision", "simulation", "s
 
 
 def test_build_job_makes_every_part_and_the_trainer_drives_them(tmp_path):
-    from llama_train.build import Components, Resolved, build_job, resolve_job
     from llama_train.checkpoint import CheckpointManager
     from llama_train.data import TrainLoader
-    from llama_train.faults import FaultInjector
     from llama_train.hooks import Hook
-    from llama_train.preflight import preflight
-    from llama_train.recovery import Recovery
-    from llama_train.run_files import RunFiles
-    from llama_train.simulation import NoSimulation, SimulationReport
-    from llama_train.tracking import Tracker
-    from llama_train.train_module import TrainModule
-    from llama_train.trainer import Trainer, TrainState
+    from llama_train.job.build import Components, Resolved, build_job, resolve_job
+    from llama_train.job.faults import FaultInjector
+    from llama_train.job.preflight import preflight
+    from llama_train.job.recovery import Recovery
+    from llama_train.job.run_files import RunFiles
+    from llama_train.job.simulation import NoSimulation, SimulationReport
+    from llama_train.job.train_module import TrainModule
+    from llama_train.job.trainer import Trainer, TrainState
+    from llama_train.metrics.tracking import Tracker
 
     out = tmp_path / "run"
     mine = Hook()
@@ -78,7 +78,7 @@ def test_the_trainer_builds_nothing_and_its_loop_has_no_simulation_branch():
     """Trainer.__init__ takes the Components; what differs on a simulated rank is the component
     build_job chose (the checkpoint's ``simulated`` entry included: the component's), and the
     rank-0 files are RunFiles'."""
-    from llama_train import trainer
+    from llama_train.job import trainer
 
     params = list(inspect.signature(trainer.Trainer.__init__).parameters)
     assert params == ["self", "pre", "parts"]
@@ -96,7 +96,7 @@ def test_the_trainer_builds_nothing_and_its_loop_has_no_simulation_branch():
 
 
 def test_the_simulation_component_renames_and_reports_only_when_simulated():
-    from llama_train.simulation import NoSimulation, SimulationReport, simulation_of
+    from llama_train.job.simulation import NoSimulation, SimulationReport, simulation_of
 
     real = simulation_of(None)
     assert type(real) is NoSimulation
@@ -133,8 +133,8 @@ RUN_INFO = dict(params={"total": 10}, model_args={"dim": 8}, flop_budget=None, t
 
 @pytest.mark.parametrize("lead", [True, False])
 def test_run_files_are_written_by_the_lead_rank_alone(tmp_path, lead):
+    from llama_train.job.run_files import RunFiles
     from llama_train.records import RunInfo
-    from llama_train.run_files import RunFiles
 
     out = tmp_path / "out"
     files = RunFiles(str(out), lead, dict(RUN_INFO))

@@ -188,7 +188,7 @@ def test_nonfinite_partition_on_one_rank_refuses_the_save_on_all(tmp_path):
 
 def test_resume_from_a_directory_that_is_not_a_checkpoint_is_bad_input(tmp_path, capsys):
     from llama_train.config import ConfigError
-    from llama_train.preflight import preflight
+    from llama_train.job.preflight import preflight
 
     notes = tmp_path / "notes"
     notes.mkdir()

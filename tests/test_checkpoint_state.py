@@ -18,8 +18,8 @@ import torch
 
 from llama_train.checkpoint import (CheckpointMeta, Fixed, RngState, StateRegistry, read_state,
                                     rng_state)
-from llama_train.simulation import NoSimulation, SimulationReport
-from llama_train.trainer import Trainer, TrainState
+from llama_train.job.simulation import NoSimulation, SimulationReport
+from llama_train.job.trainer import Trainer, TrainState
 
 
 class Part:

@@ -17,7 +17,7 @@ import torch
 
 from llama_train.model import (ModelArgs, Transformer, cross_entropy, document_ids,
                                linear_cross_entropy)
-from llama_train.model_ops import _LinearCrossEntropy
+from llama_train.model.ops import _LinearCrossEntropy
 
 EOS = 3
 
@@ -168,7 +168,7 @@ def test_default_turns_on_from_a_32000_token_vocabulary():
 def test_resume_may_change_it_and_the_hf_export_ignores_it():
     from llama_train import policy
     from llama_train.hf import from_hf_config, to_hf_config
-    from llama_train.resume import policy_of
+    from llama_train.job.resume import policy_of
 
     assert policy_of("model.loss_chunk_tokens") == policy.MAY_CHANGE
     args = small(loss_chunk_tokens=16)
@@ -204,7 +204,7 @@ def test_planner_counts_one_chunk_and_model_info_prints_it(capsys):
 
 _PEAK_SCRIPT = textwrap.dedent("""
     import json, sys, torch
-    from llama_train.meter import hwm, reset_hwm, rss
+    from llama_train.metrics.meter import hwm, reset_hwm, rss
     from llama_train.model import ModelArgs, Transformer
     torch.manual_seed(0)
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=32768, max_seq_len=2048,

@@ -2,7 +2,7 @@
 
 Fast: ``auto`` (the default) compiles on CUDA and leaves CPU eager, ``true``/``false`` in every
 spelling keep their meaning, any other value is refused while the config loads (before any
-process group), and the compile log (:class:`llama_train.trainer.CompileWatch`) says how long
+process group), and the compile log (:class:`llama_train.job.trainer.CompileWatch`) says how long
 compiling took and when dynamo recompiles.
 
 Slow, through the real launcher (2 CPU ranks, gloo, fp32, the tiny model): compiled and eager
@@ -118,7 +118,7 @@ def test_compile_watch_logs_the_compile_time_and_each_recompile(caplog):
     nothing gets none. The eager backend keeps it fast: dynamo's callbacks fire all the same."""
     import torch
 
-    from llama_train.trainer import CompileWatch
+    from llama_train.job.trainer import CompileWatch
 
     def f(x):
         return torch.nn.functional.silu(x) * 2

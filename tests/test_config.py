@@ -13,8 +13,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from llama_train.config import ConfigError, resolve_batch
-from llama_train.optim import lr_at, param_groups
-from llama_train.preflight import preflight
+from llama_train.job.optim import lr_at, param_groups
+from llama_train.job.preflight import preflight
 
 from helpers import REPO, TINY, compose_cfg
 
@@ -175,7 +175,7 @@ def test_the_cpu_peak_is_measured_once_per_machine_and_reused(tmp_path, monkeypa
     so MFU read 5%-147% across identical runs. The first run measures and caches; later runs
     (another process: the file, not memory) reuse the figure, saying where it came from;
     another thread count is another entry; a damaged file is measured again and rewritten."""
-    from llama_train.flops import cached_matmul_flops
+    from llama_train.engine.flops import cached_matmul_flops
 
     monkeypatch.setenv("LLAMA_TRAIN_CACHE", str(tmp_path))
     calls = []
@@ -206,7 +206,7 @@ def test_the_cpu_peak_is_measured_once_per_machine_and_reused(tmp_path, monkeypa
 def test_a_slow_matmul_is_timed_within_the_budget(monkeypatch):
     """A bf16 matmul takes ~1 s on a CPU without bf16 units: the cached measurement stops at
     three runs once its 3 s are gone, instead of holding each rank's start for best of 21."""
-    from llama_train import flops
+    from llama_train.engine import flops
 
     clock, matmuls = iter(range(10**6)), []
     monkeypatch.setattr(flops.time, "perf_counter", lambda: float(next(clock)))  # 1 s a read
@@ -255,7 +255,7 @@ def test_measuring_the_peak_leaves_the_global_rng_alone():
     depend on which of the two it was (tests/test_async_save.py compares a run's saved bytes)."""
     import torch
 
-    from llama_train.flops import measure_matmul_flops
+    from llama_train.engine.flops import measure_matmul_flops
 
     torch.manual_seed(1234)
     before = torch.get_rng_state()

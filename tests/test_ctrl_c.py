@@ -78,7 +78,7 @@ def test_a_lost_wandb_service_is_a_warning_only_mid_run(stopping, tmp_path, capl
     import logging
 
     from llama_train.config import TensorBoardConfig, TrackingConfig, WandbConfig
-    from llama_train.tracking import Tracker
+    from llama_train.metrics.tracking import Tracker
 
     class GoneRun:
         def finish(self):

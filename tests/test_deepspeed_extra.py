@@ -165,7 +165,7 @@ def test_a_change_on_resume_may_go_ahead_and_is_logged():
     """May change like the other DeepSpeed knobs: a changed value is listed among the changes
     a resume logs, never refused (what defines the numerics is ours, and refused in extra)."""
     from llama_train import policy
-    from llama_train.resume import config_changes, policy_of
+    from llama_train.job.resume import config_changes, policy_of
 
     assert policy_of("deepspeed.extra.zero_optimization.round_robin_gradients") == \
         policy.MAY_CHANGE

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_train import model as model_mod
+from llama_train.model import transformer as model_mod
 from llama_train.model import ModelArgs, Transformer, document_ids, document_mask
 
 EOS = 2
@@ -287,8 +287,8 @@ def test_through_the_trainer_each_document_scores_as_alone(stage, tmp_path):
     that loss, and without the mask it differs."""
     from helpers import cfg_for, step_rows, world_of_one
     from llama_train.data import TrainLoader
-    from llama_train.preflight import preflight
-    from llama_train.trainer import start
+    from llama_train.job.preflight import preflight
+    from llama_train.job.trainer import start
 
     import json
 

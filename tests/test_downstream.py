@@ -15,7 +15,7 @@ import re
 import pytest
 
 from helpers import trained_and_exported
-from llama_train.downstream import evaluate, main as eval_main
+from llama_train.inference.downstream import evaluate, main as eval_main
 
 # a world of one (conftest.py); slow: lm-eval runs each task on two backends (~30 s)
 pytestmark = [pytest.mark.usefixtures("one_rank"), pytest.mark.slow]
@@ -108,7 +108,7 @@ def test_llama_eval_says_what_it_is_doing(run, tasks, capsys, monkeypatch):
     aside, a real task ran silent for minutes. Now a line per phase, one per kind of request
     with its count per task, a progress line at least every PROGRESS_EVERY_S (30 s; 0 here:
     after each batch or request) and one at its end, all on stderr."""
-    import llama_train.lm_eval_model as lm_model
+    import llama_train.inference.lm_eval_model as lm_model
 
     monkeypatch.setattr(lm_model, "PROGRESS_EVERY_S", 0.0)
     out, _ = run

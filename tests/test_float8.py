@@ -1,4 +1,4 @@
-"""FP8 linear layers (``float8.*``, torchao's float8 training; llama_train/float8.py).
+"""FP8 linear layers (``float8.*``, torchao's float8 training; llama_train/engine/float8.py).
 
 CPU has no FP8 matmuls: every run here sets ``float8.emulate=true`` (torchao casts to float8
 e4m3 with dynamic scales and back, then multiplies in high precision), so what is tested is the
@@ -16,7 +16,7 @@ import torch
 
 from helpers import TINY, cfg_for, compose_cfg, resumed_from, run, step_rows, tail
 from llama_train.config import ConfigError, Float8Config, validate
-from llama_train.float8 import convert, skipped
+from llama_train.engine.float8 import convert, skipped
 from llama_train.model import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_rank")  # conftest.py: a world of one

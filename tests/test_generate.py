@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from helpers import trained_and_exported
-from llama_train.generate import load, main as generate_main
 from llama_train.hf import export_main, import_main
+from llama_train.inference.generate import load, main as generate_main
 
 pytestmark = pytest.mark.usefixtures("one_rank")  # conftest.py: a world of one
 

@@ -88,9 +88,9 @@ def test_prepare_train_resume_export_with_a_tokenizer_json(hf_tok, tmp_path):
     from llama_train.checkpoint import resolve_checkpoint
     from llama_train.config import ConfigError
     from llama_train.data import Tokenizer
-    from llama_train.generate import load
     from llama_train.hf import check_init_from_tokenizer, export_main
-    from llama_train.preflight import preflight
+    from llama_train.inference.generate import load
+    from llama_train.job.preflight import preflight
     from llama_train.train import train
 
     out, sha = tmp_path / "run", file_sha256(hf_tok)
@@ -187,8 +187,8 @@ def test_a_smaller_tokenizer_json_fits_a_larger_vocabulary(hf_tok, tmp_path):
 def _refused_at_once(cfg, match: str, monkeypatch) -> None:
     """preflight and the dry run refuse ``cfg`` within seconds, before any data is prepared."""
     from llama_train.data import prepare as prepare_module
-    from llama_train.dry_run import dry_run
-    from llama_train.preflight import preflight
+    from llama_train.job.dry_run import dry_run
+    from llama_train.job.preflight import preflight
 
     def prepared(*a, **k):
         raise AssertionError("data preparation started")

@@ -75,7 +75,7 @@ def _refused(d: Path, tmp_path: Path, capsys, *needles: str) -> str:
     """llama-import refuses ``d`` with exit 3 and one line holding every needle, writes no .pt;
     llama-generate and trainer.init_from (its preflight check, which reads headers only)
     refuse it too. Returns the line."""
-    from llama_train.generate import GenerateError, load
+    from llama_train.inference.generate import GenerateError, load
 
     out = tmp_path / f"{d.name}.pt"
     code, errors, err = _cli([d, out], capsys)
@@ -96,7 +96,7 @@ def test_the_expected_shapes_are_the_models_own(tmp_path):
     """The shapes every check compares with, computed from the config alone, are exactly those
     of the model built from it; an HF directory of such a model (tied embeddings too) passes
     every check of its HF names."""
-    from llama_train.weights import expected_shapes
+    from llama_train.model.weights import expected_shapes
 
     tied = ModelArgs(dim=96, n_layers=3, n_heads=6, n_kv_heads=3, vocab_size=300,
                      multiple_of=32, ffn_dim_multiplier=1.3, tie_embeddings=True)
@@ -251,7 +251,7 @@ def _pt(tmp_path: Path, change=None, args=ARGS) -> Path:
 def test_a_llama_import_file_is_checked_by_init_from_and_generate(case, tmp_path):
     from dataclasses import replace
 
-    from llama_train.generate import GenerateError, load
+    from llama_train.inference.generate import GenerateError, load
 
     w3 = "layers.1.feed_forward.w3.weight"
     if case == "int8":
@@ -297,8 +297,8 @@ def test_export_and_generate_refuse_a_checkpoint_with_bad_weights(run, case, tmp
     it (exit 3) naming the tensor, instead of exporting or decoding it."""
     from llama_train.checkpoint import write_manifest
     from llama_train.engine import restricted_loads
-    from llama_train.generate import GenerateError, load
     from llama_train.hf import export_main
+    from llama_train.inference.generate import GenerateError, load
 
     ckpt = tmp_path / "step_00000002"
     shutil.copytree(run, ckpt)

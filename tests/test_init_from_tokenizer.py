@@ -14,7 +14,7 @@ import pytest
 from helpers import cfg_for, tiny_prepared
 from llama_train.config import ConfigError
 from llama_train.data.tokenizer import file_sha256, train_tokenizer
-from llama_train.preflight import preflight
+from llama_train.job.preflight import preflight
 
 pytestmark = pytest.mark.usefixtures("one_rank")  # conftest.py: a world of one
 

@@ -173,7 +173,7 @@ def test_changed_run_config_is_refused_unless_allowed_and_safe_changes_are_logge
 
 
 def test_config_changes_classifies_keys():
-    from llama_train.resume import config_changes
+    from llama_train.job.resume import config_changes
 
     old = {"model": {"dim": 64}, "optim": {"lr": 1.0}, "trainer": {"max_steps": 2, "seed": 1,
            "resume": "auto", "micro_batch": 2}, "deepspeed": {"zero_stage": 2,
@@ -191,7 +191,7 @@ def test_config_changes_classifies_keys():
 def test_a_saved_boolean_compile_is_the_same_choice_as_its_string():
     """trainer.compile took strings in issue 55 (auto/true/false): a checkpoint's saved
     ``compile: false`` is no change against ``"false"``, and is one against ``"auto"``."""
-    from llama_train.resume import config_changes
+    from llama_train.job.resume import config_changes
 
     old = {"trainer": {"compile": False}}
     assert config_changes(old, {"trainer": {"compile": "false"}}) == ([], [])
@@ -205,13 +205,13 @@ def test_a_saved_boolean_compile_is_the_same_choice_as_its_string():
 # item 4: the lock, in this process
 
 
-HOLD = ("import sys, time; from llama_train.runlock import RunLock; "
+HOLD = ("import sys, time; from llama_train.job.runlock import RunLock; "
         "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)")
 
 
 def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, monkeypatch):
-    from llama_train import runlock
-    from llama_train.runlock import RunLock, check_not_held_by_another_job, read_record
+    from llama_train.job import runlock
+    from llama_train.job.runlock import RunLock, check_not_held_by_another_job, read_record
 
     out = tmp_path / "locked"
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -261,7 +261,7 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, monkeypa
 def test_a_holder_that_has_exited_but_is_not_yet_reaped_is_gone(tmp_path, monkeypatch):
     """kill -9 of a job with its launcher: its rank 0 (the lock's holder) is a zombie until
     init reaps it, and a relaunch at once found the lock still held by it."""
-    from llama_train.runlock import RunLock, alive, read_record
+    from llama_train.job.runlock import RunLock, alive, read_record
 
     out = tmp_path / "locked"
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -284,7 +284,7 @@ def test_a_holder_that_has_exited_but_is_not_yet_reaped_is_gone(tmp_path, monkey
         proc.wait(timeout=30)
 
 
-HOLD_WITH_KIN = ("import os, sys, time; from llama_train.runlock import RunLock; "
+HOLD_WITH_KIN = ("import os, sys, time; from llama_train.job.runlock import RunLock; "
                  "RunLock(sys.argv[1]).acquire(); pid = os.fork(); "
                  "time.sleep(2) if pid == 0 else print(pid, flush=True); "
                  "os._exit(0) if pid == 0 else time.sleep(600)")
@@ -294,7 +294,7 @@ def test_a_lock_still_held_by_an_ended_holders_exiting_kin_is_waited_for(tmp_pat
     """The flock belongs to the open file, which a rank's forked DataLoader workers share: after
     a kill -9 of the holder they may hold it a moment longer. The relaunch waits for them
     (runlock.EXITING_S) instead of refusing a directory no job uses."""
-    from llama_train.runlock import RunLock
+    from llama_train.job.runlock import RunLock
 
     out = tmp_path / "locked"
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -322,8 +322,8 @@ def test_a_lock_still_held_by_an_ended_holders_exiting_kin_is_waited_for(tmp_pat
 
 
 def test_lock_heartbeat_is_refreshed(tmp_path, monkeypatch):
-    from llama_train import runlock
-    from llama_train.runlock import RunLock, read_record
+    from llama_train.job import runlock
+    from llama_train.job.runlock import RunLock, read_record
 
     monkeypatch.setattr(runlock, "HEARTBEAT_S", 0.05)
     lock = RunLock(str(tmp_path)).acquire()

@@ -150,8 +150,8 @@ def test_two_node_simulation_matches_single_node(baseline, runs, tmp_path):
 
 def test_plot(baseline, tmp_path):
     png = tmp_path / "curves.png"
-    subprocess.run([sys.executable, "-m", "llama_train.plot", str(baseline), "--out", str(png)],
-                   check=True, cwd=REPO)
+    subprocess.run([sys.executable, "-m", "llama_train.metrics.plot", str(baseline), "--out",
+                    str(png)], check=True, cwd=REPO)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 

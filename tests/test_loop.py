@@ -18,7 +18,7 @@ import torch
 from helpers import cfg_for, rows, step_rows
 from llama_train.checkpoint import find_latest, read_state
 from llama_train.hooks import Hook
-from llama_train.optim import lr_at
+from llama_train.job.optim import lr_at
 from llama_train.train import train
 
 
@@ -194,7 +194,7 @@ def test_recovery_skips_rolls_back_and_never_rereads_bad_data(tmp_path, faults):
 
 
 def test_rollback_without_a_checkpoint_gives_up_clearly(tmp_path, faults):
-    from llama_train.recovery import TrainingAborted
+    from llama_train.job.recovery import TrainingAborted
 
     faults("loss_scale:batch=4,factor=1000")
     with pytest.raises(TrainingAborted, match="no checkpoint yet.*trainer.save_every"):
@@ -288,7 +288,7 @@ def test_the_account_of_a_planned_run_sets_its_val_loss_beside_the_prediction():
     planned N, D) and how far the run's val loss landed from it."""
     from pathlib import Path
 
-    from llama_train.summary import duration, end_of_run
+    from llama_train.job.summary import duration, end_of_run
 
     lines = end_of_run(step=1027, max_steps=1027, wall_s=3725.4, tokens=67_305_472,
                        run_tokens=33_652_736, train_loss=3.4012, val_loss=3.5105,

@@ -191,7 +191,7 @@ def test_a_link_planted_after_preflight_is_refused_when_the_tracker_starts(tmp_p
     """The tracker checks its paths again before its first write, and never writes through a
     link planted at its file afterwards (O_NOFOLLOW; rewrites replace the link)."""
     from llama_train.config import TrackingConfig
-    from llama_train.tracking import Tracker
+    from llama_train.metrics.tracking import Tracker
 
     out, victim = tmp_path / "out", _outside(tmp_path)
     (out / "logs").mkdir(parents=True)
@@ -266,7 +266,7 @@ def test_a_simulation_never_replaces_a_real_run_that_has_not_saved_yet(run, tmp_
 def test_a_real_job_never_replaces_a_simulations_files(tmp_path):
     """A simulation that has not saved yet (config.yaml with comm.simulate_ranks): a real job
     would start over on its files; only an explicit start-over sets them aside."""
-    from llama_train.simulation import check_output_dir
+    from llama_train.job.simulation import check_output_dir
 
     sim = tmp_path / "sim"
     sim.mkdir()
@@ -287,7 +287,7 @@ def fake_eval(monkeypatch):
     """llama-eval's evaluation, instant: the calls it got."""
     import lm_eval.utils
 
-    from llama_train import downstream
+    from llama_train.inference import downstream
 
     calls = []
 
@@ -302,7 +302,7 @@ def fake_eval(monkeypatch):
 
 
 def test_llama_eval_creates_a_missing_output_directory(tmp_path, fake_eval, capsys):
-    from llama_train.downstream import main as eval_main
+    from llama_train.inference.downstream import main as eval_main
 
     out = tmp_path / "results" / "today" / "res.json"
     eval_main(["ckpt", "--tasks", "t", "--output", str(out)])
@@ -312,7 +312,7 @@ def test_llama_eval_creates_a_missing_output_directory(tmp_path, fake_eval, caps
 @pytest.mark.parametrize("where", ["under_a_file", "a_directory"])
 def test_llama_eval_refuses_an_unwritable_output_before_evaluating(tmp_path, fake_eval, capsys,
                                                                    where):
-    from llama_train.downstream import main as eval_main
+    from llama_train.inference.downstream import main as eval_main
 
     (tmp_path / "notes.txt").write_text("x")
     out = tmp_path / "notes.txt" / "res.json" if where == "under_a_file" else tmp_path
@@ -402,7 +402,7 @@ def test_the_entry_point_names_a_bad_cache_in_one_line(tmp_path, monkeypatch, ca
 
 
 def test_a_prompt_file_that_is_not_utf8_is_named(tmp_path, monkeypatch, capsys):
-    import llama_train.generate as generate
+    import llama_train.inference.generate as generate
 
     def never(*a, **k):
         raise AssertionError("the model was loaded before the prompt was read")

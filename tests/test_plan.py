@@ -1,5 +1,5 @@
 """One plan (issue 57): :class:`llama_train.layout.ParallelLayout`, the one place the data-parallel
-size and a rank's coordinates come from, and :func:`llama_train.plan.plan_job`, the one place a
+size and a rank's coordinates come from, and :func:`llama_train.job.plan.plan_job`, the one place a
 config becomes a job, which preflight (and so the trainer), the dry run, ``--cfg job`` and a
 --multirun sweep's check all ask. Fast: no launcher; the trainer on a world of one.
 """
@@ -16,8 +16,8 @@ import pytest
 from helpers import TINY, cfg_for, compose_cfg, launch_vars_restored, tiny_prepared, world_of_one
 from llama_train.config import BatchPlan, ConfigError, parallel_layout, validate
 from llama_train.engine import Runtime
+from llama_train.job.plan import JobPlan, plan_job
 from llama_train.layout import ParallelLayout
-from llama_train.plan import JobPlan, plan_job
 
 
 # -- the layout ------------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def _accum_7(job: JobPlan) -> JobPlan:
 def test_the_dry_run_prints_the_plans_batch(tmp_path, monkeypatch, capsys):
     """The dry run's batch line is plan_job's batch: a plan with 7 accumulation steps is what it
     prints. --cfg job prints the plan's config."""
-    import llama_train.dry_run as dry_run_mod
+    import llama_train.job.dry_run as dry_run_mod
 
     tiny_prepared()
     made = _spy(monkeypatch, dry_run_mod, _accum_7)
@@ -199,7 +199,7 @@ def test_the_dry_run_prints_the_plans_batch(tmp_path, monkeypatch, capsys):
 
 def test_a_sweeps_check_asks_plan_job(monkeypatch):
     """--multirun: each job's config is checked by plan_job (scope "check") before any runs."""
-    import llama_train.plan as plan_mod
+    import llama_train.job.plan as plan_mod
     from llama_train.train import _check_sweep, _register_sweep_subdir, config_source
 
     made = _spy(monkeypatch, plan_mod)
@@ -215,8 +215,8 @@ def test_the_trainer_trains_the_plan_preflight_made(tmp_path, monkeypatch):
     """Preflight asks plan_job once; the trainer, its TrainModule and its loader take the batch
     and the layout from that plan (here one of 7 accumulation steps: the run's step trains
     7 micro-batches)."""
-    import llama_train.preflight as preflight_mod
-    from llama_train.trainer import start
+    import llama_train.job.preflight as preflight_mod
+    from llama_train.job.trainer import start
 
     made = _spy(monkeypatch, preflight_mod, _accum_7)
     with world_of_one():

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from helpers import cfg_for, step_rows
-from llama_train import progress
+from llama_train.job import progress
 from llama_train.train import train
 
 pytestmark = pytest.mark.usefixtures("one_rank")  # conftest.py: a world of one

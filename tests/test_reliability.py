@@ -181,8 +181,8 @@ def test_fault_guard_and_skip_windows():
     """The decisions in isolation, incl. a rollback target saved *inside* the bad window (the
     stream must jump from 24 to 28 when the window is [20, 28))."""
     from llama_train.config import RecoveryConfig
-    from llama_train.recovery import Recovery
-    from llama_train.trainer import TrainState
+    from llama_train.job.recovery import Recovery
+    from llama_train.job.trainer import TrainState
 
     class Events:
         def __init__(self):
@@ -462,7 +462,7 @@ def test_bad_data_is_refused_before_the_process_group(case, bad_inputs, monkeypa
     import torch.distributed as dist
 
     from llama_train.errors import BadInput
-    from llama_train.preflight import preflight
+    from llama_train.job.preflight import preflight
     from helpers import compose_cfg
 
     root, cases = bad_inputs
@@ -498,7 +498,7 @@ def test_out_of_range_token_ids_never_reach_the_model(prepared):
     import torch
 
     from llama_train.data import DataError, TrainLoader
-    from llama_train.train_module import check_token_ids
+    from llama_train.job.train_module import check_token_ids
 
     cfg, prep = prepared
     x = torch.full((2, 64), 65535, dtype=torch.long)  # what a shard of 0xff bytes would give
@@ -509,7 +509,7 @@ def test_out_of_range_token_ids_never_reach_the_model(prepared):
 
 
 def test_fault_spec_errors():
-    from llama_train.faults import FaultPlan, FaultSpecError
+    from llama_train.job.faults import FaultPlan, FaultSpecError
 
     plan = FaultPlan.parse("loss_scale:batch=9,factor=1000;save_error:step=4,rank=1,errno=EROFS;"
                            "nan:batch=3;nan:batch=6;exit:step=5,rank=1")
@@ -529,7 +529,7 @@ def test_fault_spec_errors():
 
 def test_fault_injector_hook():
     """The injection is one hook: NaN and spikes on data-stream batches, on the ranks asked."""
-    from llama_train.faults import FaultInjector, FaultPlan
+    from llama_train.job.faults import FaultInjector, FaultPlan
 
     hook = FaultInjector(FaultPlan.parse("nan:batch=3;loss_scale:batch=4,factor=10"), rank=0)
     one = torch.tensor(1.0)

@@ -1,4 +1,4 @@
-"""Resume compatibility has one owner (llama_train.resume) and one source of truth: the marks on
+"""Resume compatibility has one owner (llama_train.job.resume) and one source of truth: the marks on
 the config fields (llama_train.policy). In process, no launcher."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import pytest
 from helpers import cfg_for, rows, world_of_one
 from llama_train import policy
 from llama_train.config import ConfigError
-from llama_train.resume import (ResumeRefused, check_resume, config_changes, keys_with,
-                                policy_of)
+from llama_train.job.resume import ResumeRefused, check_resume, config_changes, keys_with, policy_of
 from llama_train.train import train
 
 # The keys that may change between launches of one run, as the hand-kept list in config.py had
@@ -112,7 +111,7 @@ def test_check_resume_lists_a_shape_change_once_and_says_what_goes_ahead(tmp_pat
 def test_a_resume_is_judged_once(tmp_path, monkeypatch):
     """Preflight judges the checkpoint the resume will load; the trainer does not judge it
     again (it re-judges only when that checkpoint failed its checksums meanwhile)."""
-    import llama_train.resume as resume
+    import llama_train.job.resume as resume
 
     out = tmp_path / "run"
     with world_of_one():

@@ -519,8 +519,8 @@ def test_plan_experiment_leaves_its_inputs_alone():
 def test_import_is_light():
     # llama-plan compute-optimal must start instantly: no torch, matplotlib or CLI code on import
     code = ("import sys, llama_train.scaling; "
-            "print([m for m in ('torch', 'matplotlib', 'llama_train.scaling.cli', 'llama_train.plot') "
-            "if m in sys.modules])")
+            "print([m for m in ('torch', 'matplotlib', 'llama_train.scaling.cli', "
+            "'llama_train.metrics.plot') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -672,7 +672,7 @@ def test_param_shapes_equal_a_meta_device_build_of_every_preset(tied):
     """What model-info needs of a model (each parameter's size; the largest module's, for
     DeepSpeed's ZeRO-3 estimator) is computed from the shape: it must be what a build gives."""
     from llama_train.model import list_presets
-    from llama_train.model_args import param_shapes
+    from llama_train.model.args import param_shapes
 
     for name in list_presets():
         args = replace(load_preset(name), tie_embeddings=tied)

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from llama_train.plot import plot_isoflops
+from llama_train.metrics.plot import plot_isoflops
 from llama_train.scaling import CHINCHILLA, LossLaw, ScalingError, collect_runs
 from llama_train.scaling.cli import main
 from llama_train.scaling.fit import (

@@ -11,9 +11,9 @@ import pytest
 
 from helpers import REPO, TINY, compose_cfg, launcher_cmd, run
 from llama_train.config import resolve_batch
-from llama_train.scaling import compute_optimal, inference_optimal
-from llama_train.preflight import plan_experiment
+from llama_train.job.preflight import plan_experiment
 from llama_train.records import RunInfo
+from llama_train.scaling import compute_optimal, inference_optimal
 
 
 @pytest.mark.parametrize("experiment,extra", [

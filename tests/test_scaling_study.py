@@ -344,7 +344,7 @@ def test_each_inference_optimal_plan_keeps_to_the_corpus(where):
     where the sweep's repeated runs stay on the law (the sweep law's 3e13 plan read it 2.64 times
     and missed by 2.6%, docs/scaling.md)."""
     from helpers import compose_cfg
-    from llama_train.preflight import plan_experiment
+    from llama_train.job.preflight import plan_experiment
     from llama_train.scaling.study import DEFAULT_SEED, FRONTIER_BUDGETS, FRONTIER_EPOCHS, frontier_runs
 
     def epochs(overrides):

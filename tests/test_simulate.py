@@ -18,8 +18,8 @@ import torch
 
 from helpers import REPO, cfg_for, rows, world_of_one
 from llama_train.config import ConfigError
+from llama_train.job.resume import ResumeRefused
 from llama_train.model import Transformer
-from llama_train.resume import ResumeRefused
 from llama_train.train import train
 
 SIM = ["trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=1000",
@@ -46,7 +46,7 @@ def fp32_partitions(ckpt, rank: int):
 def zero3_partitions(cfg, world: int):
     """What DeepSpeed's ZeRO-3 gives every rank of ``world``: ceil(numel / world) elements of
     each parameter, per optimizer group (decayed matrices, then the rest)."""
-    from llama_train.optim import param_groups
+    from llama_train.job.optim import param_groups
 
     with torch.device("meta"):
         model = Transformer(cfg.model)
@@ -98,7 +98,7 @@ def test_zero12_rank_holds_one_nth_of_the_flat_group(tmp_path, stage, world):
     train(cfg)
     parts = fp32_partitions(tmp_path / "out" / "checkpoints" / "step_00000004", 3)
     with torch.device("meta"):
-        from llama_train.optim import param_groups
+        from llama_train.job.optim import param_groups
 
         groups = param_groups(Transformer(cfg.model), cfg.optim)
     for part, g in zip(parts, groups):
@@ -270,7 +270,7 @@ def test_the_deepspeed_launcher_refuses_the_option(tmp_path):
 def test_a_cuda_ranks_table_shows_the_allocators_reserve():
     """On CUDA the peak is max_memory_allocated above idle and the reserve (what the device must
     hold, max_memory_reserved above idle) is printed beside it; a CPU report has no such column."""
-    from llama_train.simulation import format_table
+    from llama_train.job.simulation import format_table
 
     gib = 2 ** 30
     row = {"phase": "step1 backward", "peak_bytes": 3 * gib, "planned_bytes": 3 * gib,

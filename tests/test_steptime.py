@@ -35,7 +35,7 @@ def test_ring_formulas_within_a_node_and_across_nodes():
 def test_the_datasheet_peaks_are_flops_table(monkeypatch):
     import torch
 
-    from llama_train import flops
+    from llama_train.engine import flops
 
     for name, peak in DATASHEET_PEAK.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: f"NVIDIA {n} X")

@@ -81,8 +81,8 @@ def test_resume_and_retention_ignore_strays_and_never_delete_them(finished, tmp_
 
 
 def test_export_and_generate_given_the_output_dir_skip_strays(finished, tmp_path, capsys):
-    from llama_train.generate import load
     from llama_train.hf import export_main
+    from llama_train.inference.generate import load
 
     out = _with_strays(finished, tmp_path / "run")
     assert resolve_checkpoint(str(out)).name == "step_00000004"

@@ -21,7 +21,7 @@ import pytest
 
 from helpers import BIN, REPO, cfg_for, rows, step_rows
 from llama_train.config import TensorBoardConfig, TrackingConfig, WandbConfig
-from llama_train.tracking import Tracker, offline_run_dirs
+from llama_train.metrics.tracking import Tracker, offline_run_dirs
 from llama_train.train import train
 
 
@@ -255,7 +255,7 @@ def test_mode_null_is_online_iff_wandb_would_find_a_key(where, no_wandb_key, mon
     """``tracking.wandb.mode: null`` resolves to online only with a key W&B itself would use:
     WANDB_API_KEY, or a .netrc entry for its server; wandb 0.31's ``wandb login`` stores the
     key under api.forge.coreweave.com, its new default, and WANDB_BASE_URL names one's own."""
-    from llama_train.tracking import resolve_wandb_mode
+    from llama_train.metrics.tracking import resolve_wandb_mode
 
     key = "0123456789abcdef0123456789abcdef01234567"
     if where == "env":
@@ -287,7 +287,7 @@ def test_wandb_project_and_entity_come_from_the_environment_unless_configured(
     t.finish()
     assert any("project env-project-q7, entity env-team-q7" in r.getMessage()
                for r in caplog.records)
-    from llama_train.tracking import resolve_wandb_target
+    from llama_train.metrics.tracking import resolve_wandb_target
 
     assert cfg_for(tmp_path).tracking.wandb.project is None
     given = WandbConfig(mode="offline", project="ci", entity="team")
@@ -357,7 +357,7 @@ def test_offline_run_that_fails_still_says_how_to_sync(tmp_path, no_wandb_key):
         "import logging, sys\n"
         "logging.basicConfig(level=logging.INFO)\n"
         "from llama_train.config import TrackingConfig, WandbConfig\n"
-        "from llama_train.tracking import Tracker\n"
+        "from llama_train.metrics.tracking import Tracker\n"
         "t = Tracker(TrackingConfig(wandb=WandbConfig(mode='offline', project='ci')), "
         "sys.argv[1], 0)\n"
         "t.start()\n"

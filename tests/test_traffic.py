@@ -20,9 +20,9 @@ import torch.distributed as dist
 from helpers import cfg_for, train as launch, world_of_one
 from llama_train.comm import counting, simulate
 from llama_train.config import resolve_batch
+from llama_train.job.simulation import format_table, planned_traffic as planned_for_run
 from llama_train.scaling import ScalingError
 from llama_train.scaling.traffic import by_key, optimizer_groups, planned_traffic
-from llama_train.simulation import format_table, planned_traffic as planned_for_run
 
 
 # -- the planner ---------------------------------------------------------------------------------
@@ -30,9 +30,9 @@ from llama_train.simulation import format_table, planned_traffic as planned_for_
 def test_the_optimizer_groups_are_those_adamw_gets(preset):
     """ZeRO-1/2 pad each optimizer group: the planner's groups are optim.param_groups' sizes."""
     from llama_train.config import OptimConfig
+    from llama_train.job.optim import param_groups
     from llama_train.model import Transformer
-    from llama_train.model_args import load_preset
-    from llama_train.optim import param_groups
+    from llama_train.model.args import load_preset
 
     args = load_preset(preset)
     with torch.device("meta"):

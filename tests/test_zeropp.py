@@ -241,7 +241,7 @@ def test_refused_through_main(argv, says, tmp_path, monkeypatch, capsys):
 # -- on resume --------------------------------------------------------------------------------------
 
 def test_zeropp_may_change_on_resume_mics_defines_the_run():
-    from llama_train.resume import config_changes, policy_of
+    from llama_train.job.resume import config_changes, policy_of
 
     for key in (HPZ, QW, QG):
         assert policy_of(key) == policy.MAY_CHANGE, key
@@ -257,7 +257,7 @@ def test_zeropp_may_change_on_resume_mics_defines_the_run():
 # -- the memory planner -------------------------------------------------------------------------------
 
 def test_model_memory_counts_hpz_and_mics():
-    from llama_train.model_args import count_params, load_preset
+    from llama_train.model.args import count_params, load_preset
     from llama_train.scaling.memory import model_memory
 
     psi = count_params(load_preset("llama3_70b"))["total"]
@@ -316,8 +316,8 @@ def test_a_simulated_ranks_plan_counts_hpz():
     """simulation.planned (the 'planned' column of a comm.simulate_ranks report) asks the planner
     with the run's deepspeed config: hpZ is in it without a change there."""
     from llama_train.config import resolve_batch
+    from llama_train.job.simulation import planned
     from llama_train.scaling.memory import HPZ_TERM
-    from llama_train.simulation import planned
 
     cfg = cfg_of(ZERO3, f"{HPZ}=2", "comm.simulate_ranks=4")
     plan = resolve_batch(cfg.trainer, 4)
@@ -366,8 +366,8 @@ def hpz_traffic_equals_the_plan(out: Path, overrides) -> None:
     from llama_train.comm import counting
     from llama_train.config import resolve_batch
     from llama_train.engine import resolve_precision
+    from llama_train.job.simulation import planned_traffic
     from llama_train.scaling.traffic import by_key
-    from llama_train.simulation import planned_traffic
 
     cfg = compose_cfg([*STEPS, f"trainer.output_dir={out}", *overrides])
     plan = planned_traffic(cfg, cfg.model, resolve_batch(cfg.trainer, 4),

@@ -59,8 +59,9 @@ from typing import Dict, List, Optional
 # thread, and a process with a second thread is not forked from (serve() checks).
 PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "deepspeed", "deepspeed.launcher.runner", "deepspeed.launcher.launch",
            "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3", "hydra", "omegaconf",
-           "sentencepiece", "psutil", "llama_train.train", "llama_train.trainer",
-           "llama_train.engine", "llama_train.data", "llama_train.hf", "llama_train.generate")
+           "sentencepiece", "psutil", "llama_train.train", "llama_train.job.trainer",
+           "llama_train.engine", "llama_train.data", "llama_train.hf",
+           "llama_train.inference.generate")
 
 # Variables a job may set differently from the parent and still be forked: read by the launcher
 # and by llama_train at run time, never by an import. Any other difference: exec'd for real.

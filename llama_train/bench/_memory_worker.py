@@ -8,9 +8,10 @@ is counted inside DeepSpeed's engine comes through :class:`llama_train.engine.En
 for measurement tools (``memory_roots``, ``after_autograd``, ``persistent_params``,
 ``gathered_numel``); this module never imports DeepSpeed.
 
-Peak memory, per phase (build, initialize, each step), is :class:`llama_train.meter.PeakMeter`'s
-(VmHWM above the idle VmRSS on CPU, the allocator's peaks on CUDA); the idle baseline is read
-after the imports, the process group's start and a warm-up, before anything of the model exists.
+Peak memory, per phase (build, initialize, each step), is
+:class:`llama_train.metrics.meter.PeakMeter`'s (VmHWM above the idle VmRSS on CPU, the allocator's
+peaks on CUDA); the idle baseline is read after the imports, the process group's start and a
+warm-up, before anything of the model exists.
 
 After the first step (so AdamW has allocated its state), the forward and backward of the second
 are also counted tensor by tensor (each storage once) into params / grads / fp32 master / Adam
@@ -26,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-from llama_train.meter import PeakMeter, rss
+from llama_train.metrics.meter import PeakMeter, rss
 
 CATEGORIES = ("params", "grads", "fp32_master", "adam_moments", "buckets", "other")
 
@@ -210,11 +211,11 @@ def main(argv=None) -> None:
     from llama_train import engine as eng
     from llama_train.comm import CommConfig
     from llama_train.config import DeepSpeedConfig, OptimConfig, TrainerConfig, resolve_batch
+    from llama_train.job.optim import param_groups
+    from llama_train.job.train_module import TrainModule
     from llama_train.layout import ParallelLayout
     from llama_train.model import ModelArgs, count_params
-    from llama_train.optim import param_groups
     from llama_train.proc import exit_skipping_teardown
-    from llama_train.train_module import TrainModule
 
     rt = eng.detect_runtime("cpu")
     eng.init_distributed(CommConfig(), rt.device_type)

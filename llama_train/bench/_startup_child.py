@@ -16,7 +16,7 @@ before it, so consecutive differences are the phases and add up to process start
 top-level module, so the same probe also times another checkout (``--baseline``) whose
 ``llama_train`` does not have it. A function the probed code lacks is skipped (no mark).
 
-One ordering differs from a plain run in probe mode: llama_train.train and llama_train.trainer
+One ordering differs from a plain run in probe mode: llama_train.train and llama_train.job.trainer
 (torch, hydra, omegaconf, ...) are imported first, so that the imports are one phase; llama-train
 imports the trainer inside the Hydra job, which only moves the same import earlier. Nothing in the
 product code is changed for this.
@@ -93,12 +93,18 @@ def _wrap(owner, name: str, entered: str | None, left: str | None) -> None:
 
 def install_probe() -> None:
     """Import what llama-train imports and wrap its start-up functions."""
+    import importlib
+
     import llama_train.train as train_mod
-    import llama_train.trainer  # noqa: F401
+    try:  # an older checkout (--baseline) has the trainer at the top level
+        trainer_mod = importlib.import_module("llama_train.job.trainer")
+    except ImportError:
+        trainer_mod = importlib.import_module("llama_train.job.trainer")
     mark("imports: llama_train.train, .trainer (torch, hydra, omegaconf, ...)")
 
     from llama_train import data, engine
-    from llama_train.trainer import Trainer
+
+    Trainer = trainer_mod.Trainer
 
     _wrap(train_mod, "load_config", "hydra: compose the config", "config: load_config checks")
     _wrap(train_mod, "preflight", "sweep/job set-up", "preflight: lock, tokenizer/epoch checks")

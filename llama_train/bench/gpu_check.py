@@ -293,7 +293,7 @@ def stage_sim(c: Check) -> dict:
     except (OSError, KeyError, ValueError) as e:
         res["error"] = f"no simulation report: {e!r}"
         return res
-    from llama_train.simulation import format_table
+    from llama_train.job.simulation import format_table
 
     res["report"] = report
     res["table"] = format_table(report)

@@ -1,7 +1,7 @@
 """The `hf` side of ``llama-bench train``: ``transformers.LlamaForCausalLM`` of the same shape
 (``llama_train.hf.to_hf_config``) and the same initial weights, SDPA attention, in a plain PyTorch
 loop with AdamW (``fused=True`` where torch supports it; the weight-decay groups of
-``llama_train.optim``), the same gradient clipping and lr schedule, fed by the same
+``llama_train.job.optim``), the same gradient clipping and lr schedule, fed by the same
 ``TrainLoader`` (same batches: the step-1 losses of both sides must agree)."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def build_hf_model(model_args, seed: int):
 
 class _OurNames:
     """An HF Llama seen through our parameter names (``llama_train.hf``'s conversion map), so
-    ``llama_train.optim.param_groups`` applies its weight-decay rule to it unchanged."""
+    ``llama_train.job.optim.param_groups`` applies its weight-decay rule to it unchanged."""
 
     def __init__(self, model, model_args) -> None:
         from llama_train.hf import _name_map
@@ -54,10 +54,10 @@ class _OurNames:
 def make_adamw(model, model_args, optim_cfg):
     """(AdamW over ``model``'s parameters, a description): fused where this torch supports it
     for the parameters' device, else foreach. Weight decay as llama-train decides it
-    (``llama_train.optim.decays`` on our names)."""
+    (``llama_train.job.optim.decays`` on our names)."""
     import torch
 
-    from llama_train.optim import param_groups
+    from llama_train.job.optim import param_groups
 
     o = optim_cfg
     groups = param_groups(_OurNames(model, model_args), o)
@@ -100,7 +100,7 @@ def _train(spec: dict, model, opt, loader, device) -> Dict[str, List[float]]:
     import torch
     import torch.nn.functional as F
 
-    from llama_train.optim import lr_at
+    from llama_train.job.optim import lr_at
 
     o = spec["optim"]
     params = [p for p in model.parameters() if p.requires_grad]

@@ -1,7 +1,7 @@
 """Peaks for ``llama-bench train``'s MFU: the peak llama-train itself divides by
-(:class:`llama_train.flops.PeakFlops`, one definition for both), and the throughput of the model's
-own matmul shapes (forward and both backward products), reported beside it because skinny shapes
-such as 2048 x 384 x 1024 run below a square matmul's peak."""
+(:class:`llama_train.engine.flops.PeakFlops`, one definition for both), and the throughput of the
+model's own matmul shapes (forward and both backward products), reported beside it because skinny
+shapes such as 2048 x 384 x 1024 run below a square matmul's peak."""
 
 from __future__ import annotations
 
@@ -46,14 +46,14 @@ def model_matmul_flops(model_args, tokens: int, device, dtype, repeats: int = 3)
 
 
 def mfu_peak(device_name: str, precision: str, threads: int, override: Optional[float] = None):
-    """The :class:`~llama_train.flops.PeakFlops` a one-process ``llama-train`` run with these
-    settings divides by (override = ``trainer.peak_flops``), on ``threads`` threads: the
+    """The :class:`~llama_train.engine.flops.PeakFlops` a one-process ``llama-train`` run with
+    these settings divides by (override = ``trainer.peak_flops``), on ``threads`` threads: the
     cached CPU measurement is per thread count, and the `ours` side runs on ``threads``. A square
     matmul timed here instead read 43.7 TFLOP/s on an H200 (first-call overhead) against its
     989 datasheet figure: MFU 1176%."""
     import torch
 
-    from llama_train.flops import PeakFlops
+    from llama_train.engine.flops import PeakFlops
 
     torch.set_num_threads(threads)
     return PeakFlops(torch.device(device_name), precision, 1, override)

@@ -17,7 +17,7 @@ def _ours_step(cfg, rt, x, y) -> Callable[[], None]:
     """One optimizer step of the DeepSpeed engine llama-train builds (one rank)."""
     from llama_train import engine as eng
     from llama_train.config import resolve_batch
-    from llama_train.optim import param_groups
+    from llama_train.job.optim import param_groups
 
     eng.init_distributed(cfg.comm, rt.device_type)
     ds_config = eng.build_ds_config(cfg.deepspeed, cfg.optim, resolve_batch(cfg.trainer, 1),

@@ -60,7 +60,7 @@ def build_report(args, command: str, device: str, precision: str, model_args, fp
                  loader: Dict[str, float], num_workers: int,
                  load: List[Sequence[float]]) -> dict:
     """The report: settings, the peaks, both sides, their ratios. ``peak`` is the
-    :class:`llama_train.flops.PeakFlops` llama-train would divide by (``value``, ``kind``,
+    :class:`llama_train.engine.flops.PeakFlops` llama-train would divide by (``value``, ``kind``,
     ``source``); ``shapes_runs`` the model-shape throughput per round (the max is used: a low
     reading under load would inflate MFU/shapes)."""
     import torch
@@ -83,7 +83,8 @@ def build_report(args, command: str, device: str, precision: str, model_args, fp
         "model_args": asdict(model_args),
         "flops_per_token": fpt,
         "peak_flops": {"value": peak.value, "kind": peak.kind, "source": peak.source,
-                       "used_for_mfu": "value: llama-train's peak (llama_train.flops.PeakFlops): "
+                       "used_for_mfu": "value: llama-train's peak "
+                                       "(llama_train.engine.flops.PeakFlops): "
                                        "trainer.peak_flops (--peak-flops), else the datasheet "
                                        "figure of a known GPU, else the cached matmul measurement",
                        "model_shapes_per_round": list(shapes_runs), "model_shapes": shapes,

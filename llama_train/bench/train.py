@@ -20,7 +20,7 @@ sides alike; ``--interleave run`` runs one whole run after the other instead (A 
 
 Both report the median of per-step times after ``--warmup`` discarded steps. MFU uses one FLOPs
 formula (``llama_train.model.flops_per_token``) and the peak ``llama-train`` itself divides by,
-from the same class (``llama_train.flops.PeakFlops``, decided once before the first round):
+from the same class (``llama_train.engine.flops.PeakFlops``, decided once before the first round):
 ``--peak-flops`` (``trainer.peak_flops``) when given, else the datasheet dense bf16 figure of a
 known GPU, else this machine's matmul measured once and cached per thread count; the report
 says which. A square matmul timed here before each round read 43.7 TFLOP/s on an H200 (its
@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from llama_train.bench import COUNT, COUNT0, THREADS, TIMEOUT_S, check_options, report_or_exit
-from llama_train.bounds import Range
 from llama_train.bench.hf_baseline import RESULT_FILE, run_hf
 from llama_train.bench.lockstep import Side, run_ours
 from llama_train.bench.peaks import mfu_peak, model_shapes_flops
@@ -54,6 +53,7 @@ from llama_train.bench.profile import profile
 from llama_train.bench.report import build_report, format_table
 from llama_train.bench.settings import (compose_config, resolve_device, resolve_precision,
                                         train_overrides)
+from llama_train.bounds import Range
 from llama_train.proc import free_port, remove_ds_shm
 from llama_train.records import METRICS_FILE, RUN_INFO_FILE, RunInfo, read_metrics, step_records
 

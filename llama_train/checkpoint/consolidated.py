@@ -37,7 +37,7 @@ def load_consolidated(ckpt_dir: str):
         raise CheckpointError(f"checkpoint {path} cannot be loaded: "
                               f"{failed_file(e) or path / DS_TAG}: {load_error_cause(e)}") from None
     sd = {k.removeprefix("module.").replace("_orig_mod.", ""): v for k, v in sd.items()}
-    from llama_train.weights import WeightsError, check_state_dict
+    from llama_train.model.weights import WeightsError, check_state_dict
 
     try:  # before the cast to float: an integer tensor would pass as weights
         check_state_dict(sd, args, str(path / DS_TAG), config=str(path / "model_args.json"))

@@ -1,5 +1,5 @@
 """What a checkpoint's trainer_state.json says about the run that saved it, typed: the record
-the resume check (llama_train.resume) and preflight read instead of the file's keys."""
+the resume check (llama_train.job.resume) and preflight read instead of the file's keys."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ class RngState:
 
 class Fixed:
     """Plain values saved as they are and never loaded back: facts of the save (the world size
-    it ran on, its ZeRO stage, global batch...) that a resume is judged by (llama_train.resume),
+    it ran on, its ZeRO stage, global batch...) that a resume is judged by (llama_train.job.resume),
     not state to restore. Registered with ``restore=False``: a checkpoint a run may continue
     can lack one (a simulated rank continuing a real checkpoint has no ``simulated`` entry)."""
 

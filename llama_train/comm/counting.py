@@ -22,7 +22,7 @@ all-gather's output (N times its input), a reduce-scatter's input (N times its o
 broadcast's tensor, an all-to-all's input. Barriers count as calls of 0 bytes.
 
 The phase is the step's part the trainer is in (set by the metered engine,
-:class:`llama_train.simulation.MeteredEngine`): ``forward``, ``backward`` (including DeepSpeed's
+:class:`llama_train.job.simulation.MeteredEngine`): ``forward``, ``backward`` (including DeepSpeed's
 step between micro-batches), ``step`` (from the end of a backward to the end of the optimizer
 step: our loss all-reduce and DeepSpeed's step), ``eval`` (the engine in eval mode), ``other``
 (start-up, between steps: saves, logging), ``background`` (a thread other than the main one:

@@ -35,7 +35,7 @@ from llama_train.config.validation import (BatchPlan, config_warnings, mics_unav
 from llama_train.data.config import DataConfig
 from llama_train.errors import ConfigError  # defined there, exported here as always
 from llama_train.layout import ParallelLayout
-from llama_train.model_args import ModelArgs
+from llama_train.model.args import ModelArgs
 
 __all__ = [
     "BatchPlan", "Config", "ConfigError", "DeepSpeedConfig", "Float8Config", "OptimConfig",

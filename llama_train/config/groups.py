@@ -2,7 +2,7 @@
 ``sample``, ``tracking``, ``scaling``, ``float8``, ``parallel``), and the range and choice checks
 each runs on itself in ``__post_init__``. The ``deepspeed`` group is
 :mod:`llama_train.config.deepspeed_group`; the ``data`` group :mod:`llama_train.data.config`;
-``model`` :class:`llama_train.model_args.ModelArgs`; ``comm`` :class:`llama_train.comm.CommConfig`;
+``model`` :class:`llama_train.model.args.ModelArgs`; ``comm`` :class:`llama_train.comm.CommConfig`;
 the whole tree :mod:`llama_train.config.schema`.
 """
 
@@ -319,9 +319,9 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's re
 
 @dataclass
 class Float8Config:
-    """FP8 linear layers (torchao's float8 training, llama_train/float8.py): every ``nn.Linear``
-    of the blocks computes its matmuls in float8 with dynamic scales; the parameters, optimizer
-    state and checkpoints stay as they are (bf16/fp32, same keys), so turning it on or off
+    """FP8 linear layers (torchao's float8 training, llama_train/engine/float8.py): every
+    ``nn.Linear`` of the blocks computes its matmuls in float8 with dynamic scales; the parameters,
+    optimizer state and checkpoints stay as they are (bf16/fp32, same keys), so turning it on or off
     between resumes only changes the numerics of the steps after it (logged, never refused)."""
 
     enabled: bool = False

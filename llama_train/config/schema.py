@@ -19,7 +19,7 @@ from llama_train.config.groups import (COMM_MAX_TIMEOUT_S, Float8Config, OptimCo
                                        ScalingConfig, TrackingConfig, TrainerConfig,
                                        _check_ranges)
 from llama_train.data.config import DataConfig
-from llama_train.model_args import ModelArgs
+from llama_train.model.args import ModelArgs
 from llama_train.policy import may_change
 
 

@@ -168,7 +168,8 @@ def _check_zeropp_mics(cfg: Config, world_size: int, device: str,
 
 def _check_float8(cfg: Config, device: str) -> None:
     """float8.enabled needs bf16 and, unless emulated, a device with FP8 matmuls (the compute
-    capability of a GPU is llama_train.float8.check_device's, in preflight: it needs torch)."""
+    capability of a GPU is llama_train.engine.float8.check_device's, in preflight: it needs
+    torch)."""
     f8 = cfg.float8
     if not f8.enabled:
         return

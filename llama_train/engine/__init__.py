@@ -16,9 +16,12 @@ loop only sees an engine with ``forward``/``backward``/``step``. One module per 
     ds_checkpoint.py  restricted_loads, convert_to_universal, consolidate_fp32
     estimates.py      DeepSpeed's own model-state memory estimators (llama-plan model-info)
 
+Beside them, what else stands between the model and the device, none of it DeepSpeed's:
+    flops.py          the device's peak FLOP/s behind MFU (a datasheet figure or a timed
+                      matmul), the memory a process holds; re-exported here
+    float8.py         float8.enabled: torchao's FP8 linears, applied by build_model
+
 DeepSpeed is imported inside functions only: importing this package does not import it.
-The peak-FLOPs figures (MFU) are not DeepSpeed's: :mod:`llama_train.flops`, re-exported here
-for the modules that still import them from the engine.
 """
 
 from llama_train.engine.build import (build_model, initialize, load_full_state, preload_deepspeed,
@@ -29,11 +32,11 @@ from llama_train.engine.distributed import (STARTUP_TIMEOUT, checkpoint_group, i
 from llama_train.engine.ds_checkpoint import (RESTRICTED_LOAD_ENV, consolidate_fp32,
                                               convert_to_universal, restricted_loads)
 from llama_train.engine.ds_config import build_ds_config, resolve_precision
+from llama_train.engine.flops import PeakFlops, measure_matmul_flops, memory_stats, peak_flops
 from llama_train.engine.runtime import Runtime, deepspeed_version, detect_runtime
 from llama_train.engine.sequence import (all_to_all_meter, all_to_all_seconds,
                                          init_sequence_parallel, sequence_rank, shard_attention)
 from llama_train.engine.wrapper import Engine, StepResult, unwrap
-from llama_train.flops import PeakFlops, measure_matmul_flops, memory_stats, peak_flops
 
 __all__ = [
     "Runtime", "detect_runtime", "deepspeed_version",

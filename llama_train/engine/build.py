@@ -25,9 +25,9 @@ def build_model(model_args, ds_config: Dict[str, Any], device: torch.device,
     sequence-parallel groups, from which DeepSpeed's config counts data-parallel ranks (ZeRO-3
     still partitions over every rank). ``float8``: the ``float8`` config group; enabled, the
     block linears become torchao ``Float8Linear`` modules holding the same parameters
-    (:func:`llama_train.float8.convert`), before ``deepspeed.initialize`` registers ZeRO-3's
+    (:func:`llama_train.engine.float8.convert`), before ``deepspeed.initialize`` registers ZeRO-3's
     hooks on the module tree."""
-    from llama_train.float8 import convert
+    from llama_train.engine.float8 import convert
 
     model = _build(model_args, ds_config, device, seed, mpu)
     if float8 is not None:

@@ -124,7 +124,7 @@ def _ds_to_universal_main() -> None:
 
 def _injected_convert_errno() -> Optional[int]:
     """``LLAMA_TRAIN_FAULTS``' ``convert_error:errno=NAME`` item, read in the conversion's child
-    from the environment it inherits (llama_train.faults parses and checks the whole plan in
+    from the environment it inherits (llama_train.job.faults parses and checks the whole plan in
     preflight; the engine does not import it)."""
     import errno
 

@@ -1,5 +1,5 @@
 """DeepSpeed-Ulysses sequence parallelism (``parallel.sequence=N``): the process groups and the
-attention wrapper; :class:`llama_train.train_module.TrainModule` slices the sequences.
+attention wrapper; :class:`llama_train.job.train_module.TrainModule` slices the sequences.
 
 Each group of N consecutive ranks shares every sequence. A rank embeds and runs the MLPs on its
 seq_len / N tokens; in attention, DeepSpeed's ``DistributedAttention`` exchanges q, k and v with

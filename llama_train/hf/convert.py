@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from llama_train.model import ModelArgs, ffn_hidden_dim
-from llama_train.weights import WeightsError
+from llama_train.model.weights import WeightsError
 
 PathLike = Union[str, Path]
 

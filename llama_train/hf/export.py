@@ -18,7 +18,7 @@ from llama_train.data.errors import DataError
 from llama_train.data.tokenizer import EXPORT_KEY  # light: no tokenizer library imported
 from llama_train.hf.convert import PathLike, to_hf_config, to_hf_state_dict
 from llama_train.model import ModelArgs
-from llama_train.weights import WeightsError
+from llama_train.model.weights import WeightsError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 from llama_train.hf.convert import NotALlamaModel, from_hf_config
 from llama_train.hf.read import _read_hf_dir, import_hf, init_from_tokenizer_file
 from llama_train.model import ModelArgs
-from llama_train.weights import WeightsError, check_state_dict
+from llama_train.model.weights import WeightsError, check_state_dict
 
 
 def read_init_from(path: str, with_weights: bool, checked: bool = True):

@@ -1,6 +1,6 @@
 """Reading a Hugging Face Llama directory we did not write (:func:`import_hf`,
 ``llama-import``, ``trainer.init_from``): checked before it is loaded or used (issue 54; the
-checks themselves, shared with llama_train.checkpoint: llama_train.weights): config.json, the
+checks themselves, shared with llama_train.checkpoint: llama_train.model.weights): config.json, the
 safetensors headers, every file inside the directory, and the tokenizer it carries.
 """
 
@@ -16,7 +16,7 @@ import torch
 from llama_train.hf.convert import (NotALlamaModel, PathLike, _name_map, from_hf_config,
                                     from_hf_state_dict)
 from llama_train.model import ModelArgs
-from llama_train.weights import REQUANT_FIX, WeightsError, check_finite, check_tensors
+from llama_train.model.weights import REQUANT_FIX, WeightsError, check_finite, check_tensors
 
 
 # safetensors' dtype names -> (torch's name, bytes per element)

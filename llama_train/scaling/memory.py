@@ -1,7 +1,7 @@
 """The memory model: parameter/FLOP counts of a model, model-state bytes per GPU under each ZeRO
 stage (Rajbhandari et al. 2020) and activation bytes per micro-batch (after Korthikanti et al. 2022).
 
-Plain Python: counts and shapes come from :mod:`llama_train.model_args`, no model is built
+Plain Python: counts and shapes come from :mod:`llama_train.model.args`, no model is built
 (``llama-plan model-info`` imports torch only for DeepSpeed's estimator). The per-rank peak
 (:func:`rank_peak_memory`, and :func:`fit_advice` on it) is the largest of the phases that
 :mod:`llama_train.scaling.phases` writes out term by term.
@@ -20,14 +20,14 @@ from llama_train.scaling.phases import (HPZ_TERM, RANK_PEAK_MECHANISMS, _checkpo
                                        _zero12_phases, _zero_sizes)
 
 if TYPE_CHECKING:
-    from llama_train.model_args import ModelArgs
+    from llama_train.model.args import ModelArgs
 
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def _resolve_args(model: Union["ModelArgs", str, Path]) -> "ModelArgs":
-    from llama_train.model_args import ModelArgs, load_preset
+    from llama_train.model.args import ModelArgs, load_preset
 
     if isinstance(model, ModelArgs):
         return model
@@ -109,7 +109,7 @@ def model_memory(
     breakdown {master_params, exp_avg, exp_avg_sq} of optimizer_states, to compare with the
     engine's real optimizer tensors; plus n_params (Ψ) and the settings.
     """
-    from llama_train.model_args import count_params
+    from llama_train.model.args import count_params
 
     args = _resolve_args(args)
     p = _check_dtype(dtype)
@@ -305,7 +305,7 @@ def model_info(
     model's (:func:`activation_memory`); ``hpz_partition_size`` and ``mics_shard_size``
     (ZeRO-3: ZeRO++'s hpZ, MiCS; :func:`model_memory`) change ``model_state``, not
     ``model_state_total_by_stage`` (plain ZeRO)."""
-    from llama_train.model_args import count_params, flops_per_token
+    from llama_train.model.args import count_params, flops_per_token
 
     args = _resolve_args(model)
     s = args.max_seq_len if seq_len is None else int(seq_len)
@@ -440,7 +440,7 @@ def deepspeed_estimate(args: Union["ModelArgs", str, Path], zero_stage: int, wor
     (per rank), cpu (per node), per_rank_cpu_ranks (gpu + cpu / ranks: what a CPU rank would
     hold). ZeRO-0 has no estimator (None)."""
     from llama_train.engine.estimates import zero_model_states_mem_needs
-    from llama_train.model_args import count_params, param_shapes
+    from llama_train.model.args import count_params, param_shapes
 
     args = _resolve_args(args)
     psi = count_params(args)["total"]

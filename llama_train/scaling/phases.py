@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 from llama_train.scaling.laws import ScalingError
 
 if TYPE_CHECKING:
-    from llama_train.model_args import ModelArgs
+    from llama_train.model.args import ModelArgs
 
 
 RANK_PEAK_MECHANISMS = """\
@@ -105,7 +105,7 @@ def _zero_sizes(args: "ModelArgs", ds: Optional[Any],
 
 def _rank_terms(args: "ModelArgs", p: int, world_size: int, sizes: Dict[str, int], acts: float,
                 cpu: bool, offload_optimizer: bool, gloo: bool) -> _RankTerms:
-    from llama_train.model_args import count_params, param_shapes
+    from llama_train.model.args import count_params, param_shapes
 
     psi = count_params(args)["total"]
     bucket = min(sizes["reduce_bucket_size"], psi) if cpu else sizes["reduce_bucket_size"]

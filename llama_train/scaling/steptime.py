@@ -25,10 +25,10 @@ from llama_train.scaling.memory import _resolve_args
 from llama_train.scaling.traffic import planned_traffic
 
 if TYPE_CHECKING:
-    from llama_train.model_args import ModelArgs
+    from llama_train.model.args import ModelArgs
 
-# Dense bf16 datasheet peaks, FLOP/s per GPU: llama_train.flops' table (which needs torch and a
-# device to read; tests/test_steptime.py checks the two agree)
+# Dense bf16 datasheet peaks, FLOP/s per GPU: llama_train.engine.flops' table (which needs torch
+# and a device to read; tests/test_steptime.py checks the two agree)
 DATASHEET_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
                   "A10": 125e12, "4090": 165e12, "V100": 125e12}
 # The MFU the GPU check measured (docs/benchmarks-gpu.md, ~1B model, 1 x H200, seq 2048)
@@ -94,7 +94,7 @@ def step_time(
     (:func:`ring_time`), the step with full overlap (the larger of the two) and with none (their
     sum), and the MFU each gives. ``traffic_options`` go to
     :func:`~llama_train.scaling.traffic.planned_traffic` (hpZ, MiCS, quantization, ``ds``)."""
-    from llama_train.model_args import flops_per_token
+    from llama_train.model.args import flops_per_token
 
     args = _resolve_args(model)
     s = args.max_seq_len if seq_len is None else int(seq_len)

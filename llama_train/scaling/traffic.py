@@ -24,7 +24,7 @@ from llama_train.scaling.laws import ScalingError
 from llama_train.scaling.memory import _check_dtype, _resolve_args, _zero_sizes, sequence_parallel_traffic
 
 if TYPE_CHECKING:
-    from llama_train.model_args import ModelArgs
+    from llama_train.model.args import ModelArgs
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 PHASES = ("forward", "backward", "step")
@@ -74,7 +74,7 @@ def _pad(x: int, k: int) -> int:
 
 
 def _decays(name: str, ndim: int, decay_embeddings: bool, decay_norms: bool) -> bool:
-    """:func:`llama_train.optim.decays` on a name and a rank (that module imports torch)."""
+    """:func:`llama_train.job.optim.decays` on a name and a rank (that module imports torch)."""
     is_embedding = name.startswith("tok_embeddings.")
     is_norm_or_bias = ndim < 2 or name.endswith(".bias") or "norm" in name.rsplit(".", 1)[0]
     return not ((is_embedding and not decay_embeddings) or (is_norm_or_bias and not decay_norms))
@@ -82,9 +82,9 @@ def _decays(name: str, ndim: int, decay_embeddings: bool, decay_norms: bool) -> 
 
 def optimizer_groups(args: "ModelArgs", decay_embeddings: bool = False,
                      decay_norms_and_biases: bool = False) -> List[int]:
-    """Elements of our AdamW groups (:func:`llama_train.optim.param_groups`): decayed, then the
+    """Elements of our AdamW groups (:func:`llama_train.job.optim.param_groups`): decayed, then the
     rest (if any). ZeRO-1/2 flatten and partition each separately."""
-    from llama_train.model_args import param_shapes
+    from llama_train.model.args import param_shapes
 
     decay = rest = 0
     for name, shape in param_shapes(args):
@@ -164,7 +164,7 @@ def planned_traffic(
         raise ScalingError("hpZ and MiCS are alternatives: give one of hpz_partition_size, "
                            "mics_shard_size")
     g_node = int(gpus_per_node or n)
-    from llama_train.model_args import count_params
+    from llama_train.model.args import count_params
 
     psi = count_params(args)["total"]
     rows: List[Dict[str, Any]] = []
@@ -229,7 +229,7 @@ def _zero3_rows(rows: List[Dict[str, Any]], args: "ModelArgs", n: int, a: int, p
                 ds: Optional[Any], zero_overrides: Optional[Dict[str, int]]) -> List[int]:
     """ZeRO-3's collectives (with hpZ, MiCS, qwZ, qgZ) into ``rows``; returns DeepSpeed's step
     scalars (bytes)."""
-    from llama_train.model_args import param_shapes
+    from llama_train.model.args import param_shapes
 
     sizes = _zero_sizes(args, ds, zero_overrides)
     threshold = sizes["stage3_param_persistence_threshold"]

@@ -22,8 +22,8 @@ import torch
 def _engine(seed: int = 0):
     from llama_train import engine as eng
     from llama_train.config import BatchPlan, DeepSpeedConfig, OptimConfig
+    from llama_train.job.optim import param_groups
     from llama_train.model import ModelArgs, Transformer
-    from llama_train.optim import param_groups
 
     model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, multiple_of=16,
                                   max_seq_len=32), seed=seed)
@@ -47,7 +47,7 @@ def _save(mgr, engine, step: int, faults: str = ""):
     """Returns (path or None, error message or None, .tmp dirs left, latest hint)."""
     from llama_train.checkpoint import CheckpointError
 
-    from llama_train.faults import FaultInjector, FaultPlan
+    from llama_train.job.faults import FaultInjector, FaultPlan
 
     mgr.hooks = [FaultInjector(FaultPlan.parse(faults), mgr.rank)]
     try:
@@ -105,7 +105,7 @@ def main() -> None:
     from llama_train import engine as eng
     from llama_train.checkpoint import CheckpointError, CheckpointManager, verify
     from llama_train.comm import CommConfig
-    from llama_train.preflight import _check_writable
+    from llama_train.job.preflight import _check_writable
 
     work = Path(sys.argv[1])
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",

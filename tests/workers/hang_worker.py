@@ -50,7 +50,7 @@ def _instrument() -> None:
     import torch
 
     from llama_train.engine import wrapper
-    from llama_train.trainer import Trainer
+    from llama_train.job.trainer import Trainer
 
     evaluate = Trainer.evaluate
 

@@ -13,8 +13,8 @@ from _lines import say  # noqa: E402
 from llama_train import engine as eng  # noqa: E402
 from llama_train.comm import CommConfig  # noqa: E402
 from llama_train.config import BatchPlan, DeepSpeedConfig, OptimConfig  # noqa: E402
+from llama_train.job.optim import param_groups  # noqa: E402
 from llama_train.model import load_preset  # noqa: E402
-from llama_train.optim import param_groups  # noqa: E402
 from llama_train.proc import exit_skipping_teardown  # noqa: E402
 from llama_train.scaling import model_memory  # noqa: E402
 

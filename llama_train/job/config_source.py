@@ -1,6 +1,7 @@
 """Where ``llama-train``'s primary config comes from: the package's configs/, or a run's saved
 config.yaml given with ``--config-dir``/``--config-name`` (a rerun), and the command line Hydra
-then reads. Used by the entry point (llama_train.train) and the sweep check (llama_train.sweep)."""
+then reads. Used by the entry point (llama_train.train) and the sweep check
+(llama_train.job.sweep)."""
 
 from __future__ import annotations
 

@@ -3,9 +3,10 @@
     llama-eval outputs/llama-train --tasks hellaswag,arc_easy --num-fewshot 0
     llama-eval out/hf_model --tasks my_task --include-path ./tasks --limit 100 --output res.json
 
-:class:`~llama_train.lm_eval_model.LlamaTrainLM` is an lm-eval model (``TemplateLM``):
+:class:`~llama_train.inference.lm_eval_model.LlamaTrainLM` is an lm-eval model (``TemplateLM``):
 batched log-likelihoods of continuations, rolling log-likelihoods for perplexity tasks and
-greedy generation, computed by our ``Transformer`` on a checkpoint that :func:`llama_train.generate.load` reads (ours, ZeRO
+greedy generation, computed by our ``Transformer`` on a checkpoint that
+:func:`llama_train.inference.generate.load` reads (ours, ZeRO
 shards merged; a Hugging Face directory; a ``llama-import`` file). It tokenizes as lm-eval's own
 HF backend does on an export (context and continuation encoded together, then split; no BOS
 unless ``add_bos_token``), so its scores on a checkpoint equal that backend's on the export
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from llama_train.bounds import INT32_MAX, SEED_MAX, Range, check_options
-from llama_train.generate import EXIT_BAD_INPUT, GenerateError, device_and_dtype, load
+from llama_train.inference.generate import EXIT_BAD_INPUT, GenerateError, device_and_dtype, load
 from llama_train.paths import PathRefused, check_output
 
 # The range of each numeric option (llama_train.bounds), checked before the model loads:
@@ -51,7 +52,7 @@ def evaluate(checkpoint: str, tasks: Sequence[str], include_path: Optional[str] 
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from llama_train.lm_eval_model import LlamaTrainLM, say
+    from llama_train.inference.lm_eval_model import LlamaTrainLM, say
 
     t0 = time.perf_counter()
     say(f"loading {checkpoint} ({device}, {dtype})")

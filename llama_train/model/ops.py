@@ -19,7 +19,7 @@ import torch.nn.functional as F
 def rope_inv_freq(head_dim: int, theta: float, scaling: Any = None,
                   device: Optional[torch.device] = None) -> torch.Tensor:
     """fp32 (head_dim // 2,) angular frequencies: pair i turns at ``theta^(-2i/hd)`` radians per
-    position, stretched by ``scaling`` (a :class:`llama_train.model_args.RopeScaling`; None or
+    position, stretched by ``scaling`` (a :class:`llama_train.model.args.RopeScaling`; None or
     type ``default`` leaves them alone)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     kind = "default" if scaling is None else scaling.type

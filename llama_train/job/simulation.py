@@ -2,7 +2,7 @@
 how long its phases take, measured on the real code path in one process, beside the planner.
 
 The trainer runs as usual on a :class:`~llama_train.comm.simulate.MirrorGroup`; this module
-measures it: each phase's peak memory and wall time (:class:`llama_train.meter.PeakMeter`:
+measures it: each phase's peak memory and wall time (:class:`llama_train.metrics.meter.PeakMeter`:
 VmHWM on CPU, the CUDA allocator's peaks on a GPU) for build, initialize, the forward,
 backward and optimizer step of the first ``MEASURED_STEPS`` steps, the checkpoint save and a
 load of it; the checkpoint's bytes of this rank and of rank 0; the time from the command to the
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 from llama_train.bounds import SIMULATE_MAX_RANKS as MAX_RANKS  # (why: there)
-from llama_train.meter import PeakMeter, process_age_s
+from llama_train.metrics.meter import PeakMeter, process_age_s
 
 log = logging.getLogger("llama_train")
 
@@ -498,7 +498,7 @@ def check_output_dir(cfg, simulated: bool) -> None:
     the run's config.yaml, metrics and run_info.json, after which the real relaunch was refused.
     A real job refuses one that holds only a simulation's files, unless it sets them aside
     (trainer.resume=never with trainer.on_existing=archive or overwrite); a simulation's
-    checkpoints are refused by the resume check (llama_train.resume), which names them. From
+    checkpoints are refused by the resume check (llama_train.job.resume), which names them. From
     files, on every rank, before anything is written. ConfigError naming the fix."""
     from llama_train.config import ConfigError
 
@@ -523,7 +523,7 @@ def check_output_dir(cfg, simulated: bool) -> None:
             f"was changed.")
 
 
-if __name__ == "__main__":  # python -m llama_train.simulation OUTPUT_DIR
+if __name__ == "__main__":  # python -m llama_train.job.simulation OUTPUT_DIR
     import sys
 
     print(format_table(replan(sys.argv[1])))

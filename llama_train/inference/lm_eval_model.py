@@ -1,5 +1,5 @@
 """lm-evaluation-harness's view of our model: :class:`LlamaTrainLM`, an lm-eval ``TemplateLM``
-over a model :func:`llama_train.generate.load` read. Its own module because it subclasses
+over a model :func:`llama_train.inference.generate.load` read. Its own module because it subclasses
 lm-eval's base class: only ``llama-eval`` imports it (and with it lm-eval)."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Progress:
 
 
 class LlamaTrainLM(TemplateLM):
-    """lm-eval's view of a loaded model (:class:`llama_train.generate.Loaded`)."""
+    """lm-eval's view of a loaded model (:class:`llama_train.inference.generate.Loaded`)."""
 
     def __init__(self, loaded, batch_size: int = 8, max_length: Optional[int] = None,
                  add_bos_token: bool = False):

@@ -5,7 +5,7 @@ checkpoint manager (and its writer's group), the checkpoint to continue (verifie
 judged again if it is not the one preflight judged), universal conversion for a new world
 size. :func:`build_job` builds the rest into :class:`Components`: the model and its DeepSpeed
 engine, the one-batch module, the data stream, the tracker, the train state and recovery, the
-peak FLOP/s, the rank-0 files. :class:`llama_train.trainer.Trainer` takes the Components and
+peak FLOP/s, the rank-0 files. :class:`llama_train.job.trainer.Trainer` takes the Components and
 builds nothing itself.
 
 Every rank makes its process groups and runs its collectives in the order written here (the
@@ -25,23 +25,23 @@ import torch.distributed as dist
 
 from llama_train import engine as eng
 from llama_train.checkpoint import CheckpointManager, checkpoint_step, prepare_universal
-from llama_train.compile_watch import CompileWatch
 from llama_train.data import TrainLoader
-from llama_train.faults import FaultInjector, FaultPlan
-from llama_train.flops import PeakFlops
+from llama_train.engine.flops import PeakFlops
 from llama_train.hooks import Hook
+from llama_train.job.compile_watch import CompileWatch
+from llama_train.job.faults import FaultInjector, FaultPlan
+from llama_train.job.optim import param_groups
+from llama_train.job.recovery import Recovery
+from llama_train.job.resume import ResumeCheck, log_changes
+from llama_train.job.run_files import RunFiles
+from llama_train.job.simulation import NoSimulation, Simulation, metered, simulation_of
+from llama_train.job.summary import already_complete
+from llama_train.job.train_module import TrainModule
+from llama_train.job.train_state import TrainState
+from llama_train.metrics.tracking import Tracker
 from llama_train.model import flops_per_token
-from llama_train.optim import param_groups
 from llama_train.proc import stop_with_launcher
 from llama_train.records import RunInfo
-from llama_train.recovery import Recovery
-from llama_train.resume import ResumeCheck, log_changes
-from llama_train.run_files import RunFiles
-from llama_train.simulation import NoSimulation, Simulation, metered, simulation_of
-from llama_train.summary import already_complete
-from llama_train.tracking import Tracker
-from llama_train.train_module import TrainModule
-from llama_train.train_state import TrainState
 
 log = logging.getLogger("llama_train")
 
@@ -83,7 +83,7 @@ class Components:
 def resolve_job(pre, hooks: Sequence[Hook] = ()) -> Optional[Resolved]:
     """The process group, the checkpoint manager and the checkpoint to continue (verified by
     rank 0; an old history set aside if ``trainer.on_existing`` says so), judged by
-    :mod:`llama_train.resume` if it is not the one preflight judged, converted for a new world
+    :mod:`llama_train.job.resume` if it is not the one preflight judged, converted for a new world
     size if needed. None when the checkpoint already holds trainer.max_steps: the run is
     complete."""
     cfg, t, rt = pre.cfg, pre.cfg.trainer, pre.rt
@@ -125,7 +125,7 @@ def resolve_job(pre, hooks: Sequence[Hook] = ()) -> Optional[Resolved]:
 def build_job(pre, job: Resolved) -> Components:
     """Build: model, engine, data, tracking, on a process group that is up (:func:`resolve_job`),
     to continue ``job.resume`` (None: from step 0). ``pre`` is the
-    :class:`llama_train.preflight.Preflight` (config checked, data prepared, the JobPlan)."""
+    :class:`llama_train.job.preflight.Preflight` (config checked, data prepared, the JobPlan)."""
     cfg, t, rt, plan = pre.cfg, pre.cfg.trainer, pre.rt, pre.plan
     layout, model_args, prepared = pre.job.layout, pre.model_args, pre.prepared
     hooks, resume = job.hooks, job.resume

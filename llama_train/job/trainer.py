@@ -5,10 +5,10 @@ one optimizer step. The pieces it calls are components with small interfaces: on
 trained (:class:`TrainModule`, over the DeepSpeed boundary :class:`llama_train.engine.Engine`),
 checkpoints (:class:`CheckpointManager`), the data stream (:class:`TrainLoader`), tracking
 (:class:`Tracker`), recovery from bad steps (:class:`Recovery`) and hooks (fault injection,
-benchmarks), the rank-0 files (:class:`llama_train.run_files.RunFiles`) and a simulated rank's
-measurements (:mod:`llama_train.simulation`'s component, a no-op on a real rank). Everything a
+benchmarks), the rank-0 files (:class:`llama_train.job.run_files.RunFiles`) and a simulated rank's
+measurements (:mod:`llama_train.job.simulation`'s component, a no-op on a real rank). Everything a
 checkpoint must carry about the loop itself is one :class:`TrainState`. :func:`start` sets the job
-up and builds its parts (:mod:`llama_train.build`: resolve_job, build_job -> Components); the
+up and builds its parts (:mod:`llama_train.job.build`: resolve_job, build_job -> Components); the
 Trainer builds nothing.
 """
 
@@ -26,19 +26,19 @@ import torch
 import torch.distributed as dist
 
 from llama_train import watchdog
-from llama_train.build import Components, build_job, resolve_job
 from llama_train.checkpoint import Fixed, RngState, StateRegistry, read_state
-from llama_train.compile_watch import CompileWatch
 from llama_train.data import eval_sets
-from llama_train.flops import memory_stats
+from llama_train.engine.flops import memory_stats
 from llama_train.hooks import Hook
+from llama_train.inference.sample import generate_sample
+from llama_train.job.build import Components, build_job, resolve_job
+from llama_train.job.compile_watch import CompileWatch
+from llama_train.job.progress import Interval, Progress
+from llama_train.job.summary import duration, end_of_run
+from llama_train.job.train_module import BatchResult
+from llama_train.job.train_state import TrainState
 from llama_train.model import count_params
 from llama_train.proc import job_command, launcher_gone
-from llama_train.progress import Interval, Progress
-from llama_train.sample import generate_sample
-from llama_train.summary import duration, end_of_run
-from llama_train.train_module import BatchResult
-from llama_train.train_state import TrainState
 
 __all__ = ["Components", "CompileWatch", "StepOutput", "StopSignals", "Trainer", "TrainState",
            "build_job", "start"]
@@ -87,9 +87,9 @@ class StopSignals:
 
 
 def start(pre, hooks: Sequence[Hook] = ()) -> Optional["Trainer"]:
-    """Set the job up after preflight (``pre``, a :class:`llama_train.preflight.Preflight`):
-    the process group, the checkpoint to continue (:func:`llama_train.build.resolve_job`); then
-    the Trainer on the job's parts (:func:`llama_train.build.build_job`). None when the
+    """Set the job up after preflight (``pre``, a :class:`llama_train.job.preflight.Preflight`):
+    the process group, the checkpoint to continue (:func:`llama_train.job.build.resolve_job`); then
+    the Trainer on the job's parts (:func:`llama_train.job.build.build_job`). None when the
     checkpoint already holds trainer.max_steps: the run is complete."""
     job = resolve_job(pre, hooks)
     if job is None:
@@ -99,9 +99,9 @@ def start(pre, hooks: Sequence[Hook] = ()) -> Optional["Trainer"]:
 
 class Trainer:
     def __init__(self, pre, parts: Components):
-        """The loop over a job's parts, as :func:`llama_train.build.build_job` built them (on a
+        """The loop over a job's parts, as :func:`llama_train.job.build.build_job` built them (on a
         process group that is up, to continue ``parts.resume``; None: from step 0). ``pre`` is
-        the :class:`llama_train.preflight.Preflight` (config checked, data prepared)."""
+        the :class:`llama_train.job.preflight.Preflight` (config checked, data prepared)."""
         self.cfg, self.rt, self.plan, self.prepared = pre.cfg, pre.rt, pre.plan, pre.prepared
         self.layout = pre.job.layout  # ranks / parallel.sequence, this rank's coordinates
         self.model_args = pre.model_args
@@ -372,7 +372,7 @@ class Trainer:
         trainer_state.json's keys: the train state (Recovery's streaks and windows included)
         at the top level, the data position, the tracker (loaded back by :meth:`resume`, which
         knows whether the checkpoint is another run's; rewound by a rollback), then the facts
-        of the save a resume is judged by (llama_train.resume), never loaded back. Per rank
+        of the save a resume is judged by (llama_train.job.resume), never loaded back. Per rank
         (``ranks/rank_N.pt``): the RNGs."""
         rt = self.rt
         self.parts = StateRegistry()
@@ -470,7 +470,7 @@ class Trainer:
         return sample
 
     def _summarize(self) -> None:
-        """The end-of-run account (llama_train.summary) on rank 0."""
+        """The end-of-run account (llama_train.job.summary) on rank 0."""
         s, exp = self.state, self.experiment
         t0, _, tokens0 = self.started
         wall = time.perf_counter() - t0

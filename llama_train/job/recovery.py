@@ -5,7 +5,7 @@ applied although non-finite (``nonfinite_applied``: DeepSpeed missed it, the wei
 suspect) or when its loss exceeds ``spike_factor`` x the running mean of good losses
 (``spike``). ``max_bad_steps`` bad steps in a row, a spike or a suspect step roll back to the
 newest checkpoint of this run, and the data window that caused it is skipped from then on. All of
-its state lives in :class:`~llama_train.trainer.TrainState`, so a resumed run decides exactly as
+its state lives in :class:`~llama_train.job.trainer.TrainState`, so a resumed run decides exactly as
 the uninterrupted one would have.
 """
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from llama_train.config import BatchPlan, Config, ConfigError, to_container
-from llama_train.plan import JobPlan, plan_job
-from llama_train.plan import plan_experiment  # noqa: F401 - moved to plan.py; imported from here
+from llama_train.job.plan import JobPlan, plan_job
+from llama_train.job.plan import plan_experiment  # noqa: F401 - moved to plan.py; imported here
 
 log = logging.getLogger("llama_train")
 
@@ -73,11 +73,11 @@ class Preflight:
         return to_container(self.cfg)
 
     def resume_check(self, ckpt: Optional[Path]):
-        """The :class:`~llama_train.resume.ResumeCheck` of the checkpoint the job actually loads:
-        preflight's, or (where a newer checkpoint failed its checksums since) that one's, judged
-        by the same rules now. None for a fresh start."""
+        """The :class:`~llama_train.job.resume.ResumeCheck` of the checkpoint the job actually
+        loads: preflight's, or (where a newer checkpoint failed its checksums since) that one's,
+        judged by the same rules now. None for a fresh start."""
         from llama_train.checkpoint import CheckpointMeta
-        from llama_train.resume import check_resume
+        from llama_train.job.resume import check_resume
 
         if ckpt is None:
             return None
@@ -96,12 +96,12 @@ def preflight(cfg: Config) -> Preflight:
     from llama_train.comm import check_backend
     from llama_train.data import check_compatible, prepare_data
     from llama_train.engine import detect_runtime
-    from llama_train.faults import FaultPlan
+    from llama_train.job.faults import FaultPlan
+    from llama_train.job.resume import check_tokenizer
+    from llama_train.job.runlock import RunLock, check_not_held_by_another_job
+    from llama_train.job.simulation import check_output_dir
+    from llama_train.metrics.tracking import check_wandb_env
     from llama_train.paths import PathRefused, cache_dir
-    from llama_train.resume import check_tokenizer
-    from llama_train.runlock import RunLock, check_not_held_by_another_job
-    from llama_train.simulation import check_output_dir
-    from llama_train.tracking import check_wandb_env
 
     try:  # a LLAMA_TRAIN_CACHE that cannot be a directory: refused by name, first
         cache_dir()
@@ -110,7 +110,7 @@ def preflight(cfg: Config) -> Preflight:
     rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
     setup_logging(rt.rank, rt.is_main)
     if rt.simulated:
-        from llama_train.simulation import start_warning
+        from llama_train.job.simulation import start_warning
 
         log.warning("%s", start_warning(rt.world_size, rt.rank))
     check_output_dir(cfg, rt.simulated)  # a simulation and a real run never share a dir
@@ -173,11 +173,11 @@ def check_tokenizer_fits(cfg: Config) -> None:
 
 def _check_resume(cfg: Config, plan: BatchPlan, world_size: int, ckpt):
     """The checkpoint a resume will most likely load (sizes checked, not checksums), judged by
-    :mod:`llama_train.resume` from its files: a resume the run would refuse (another
+    :mod:`llama_train.job.resume` from its files: a resume the run would refuse (another
     run-defining config, global batch or model shape) is refused before data preparation and
     the process group. None: a fresh start."""
     from llama_train.checkpoint import CheckpointMeta
-    from llama_train.resume import check_resume
+    from llama_train.job.resume import check_resume
 
     if ckpt is None:
         return None
@@ -226,7 +226,7 @@ def run_paths(cfg: Config) -> Dict[str, Path]:
     """What the run itself creates or replaces directly in trainer.output_dir, by the key or
     name that puts it there (W&B and TensorBoard only where their dir is the default)."""
     from llama_train.checkpoint import ARCHIVE, RUN_FILES
-    from llama_train.runlock import LOCK_NAME
+    from llama_train.job.runlock import LOCK_NAME
 
     out, tr = Path(cfg.trainer.output_dir), cfg.tracking
     paths = {n: out / n for n in (LOCK_NAME, *RUN_FILES, ARCHIVE)}
@@ -251,8 +251,8 @@ def _check_run_paths(cfg: Config) -> None:
     be a link. The tracker checks its paths again when it starts writing."""
     import os.path
 
+    from llama_train.metrics.tracking import tracking_paths
     from llama_train.paths import inside_checkpoint
-    from llama_train.tracking import tracking_paths
 
     for key, where in (("trainer.output_dir", cfg.trainer.output_dir),
                        ("data.prepared_dir", cfg.data.prepared_dir)):

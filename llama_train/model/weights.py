@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from llama_train.errors import BadInput
-from llama_train.model_args import ModelArgs
+from llama_train.model.args import ModelArgs
 
 
 class WeightsError(BadInput):

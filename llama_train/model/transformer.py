@@ -36,9 +36,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llama_train.errors import BadInput
-from llama_train.model_args import (ModelArgs, RopeScaling, count_params, ffn_hidden_dim,
+from llama_train.model.args import (ModelArgs, RopeScaling, count_params, ffn_hidden_dim,
                                     flops_per_token, list_presets, load_preset)
-from llama_train.model_ops import (apply_rotary_emb, cross_entropy, document_ids, document_mask,
+from llama_train.model.ops import (apply_rotary_emb, cross_entropy, document_ids, document_mask,
                                    linear_cross_entropy, rope_inv_freq, rope_tables,
                                    sample_next_token)
 

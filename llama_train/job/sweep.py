@@ -12,8 +12,8 @@ from typing import List
 from omegaconf import DictConfig
 
 from llama_train.config import Config, ConfigError, load_config
-from llama_train.config_source import ConfigSource, _cli_overrides
 from llama_train.errors import BadInput
+from llama_train.job.config_source import ConfigSource, _cli_overrides
 from llama_train.util import within
 
 
@@ -127,7 +127,7 @@ def _check_sweep(overrides: List[str], source: ConfigSource) -> None:
 
     from llama_train.config import explain_composition_error
     from llama_train.engine import Runtime
-    from llama_train.plan import plan_job
+    from llama_train.job.plan import plan_job
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)

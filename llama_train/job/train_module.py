@@ -1,7 +1,7 @@
 """One global batch, trained: micro-batches, gradient accumulation, the learning rate and the
 optimizer step, and the one collective per step that makes every rank agree on the result.
 
-The :class:`~llama_train.trainer.Trainer` decides *when* (the loop, timing, evaluation, saves,
+The :class:`~llama_train.job.trainer.Trainer` decides *when* (the loop, timing, evaluation, saves,
 recovery); :class:`TrainModule` decides *how* one batch turns into an optimizer step, the way
 OLMo-core's TrainModule splits them. It talks to DeepSpeed only through
 :class:`llama_train.engine.Engine`.
@@ -18,8 +18,8 @@ import torch.distributed as dist
 from llama_train.config import BatchPlan, OptimConfig
 from llama_train.data import DataError
 from llama_train.hooks import Hook
+from llama_train.job.optim import lr_at
 from llama_train.model import document_ids
-from llama_train.optim import lr_at
 
 
 @dataclass

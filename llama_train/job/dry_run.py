@@ -15,8 +15,8 @@ import json
 from typing import Any, List, Optional
 
 from llama_train.config import BatchPlan, Config
-from llama_train.plan import plan_job
-from llama_train.preflight import check_tokenizer_fits, setup_logging
+from llama_train.job.plan import plan_job
+from llama_train.job.preflight import check_tokenizer_fits, setup_logging
 
 GIB = 2 ** 30
 
@@ -106,7 +106,7 @@ def print_job_config(overrides: List[str]) -> None:
 def _memory_lines(cfg: Config, m, plan: BatchPlan, rt, precision: str) -> List[str]:
     """One rank's peak from the planner, and whether it fits this machine's device (a GPU's
     memory; on CPU the host's, shared by the ranks of this node)."""
-    from llama_train.simulation import planned
+    from llama_train.job.simulation import planned
 
     # a real rank of this world: on CPU gloo's own copies count (None)
     peak = planned(cfg, m, plan, precision, rt.world_size, rt.device_type, gloo_copies=None)
@@ -191,7 +191,7 @@ def _estimate_step_seconds(m, plan: BatchPlan, rt, precision: str) -> tuple:
 
     import torch
 
-    from llama_train.flops import peak_flops
+    from llama_train.engine.flops import peak_flops
     from llama_train.model import Transformer, count_params, flops_per_token
 
     if count_params(m)["total"] > 3e8:

@@ -70,7 +70,7 @@ def plan_job(cfg: Config, rt: Any, scope: str = "run") -> JobPlan:
     if run:
         # float8: torchao present, FP8 matmuls on this GPU (validate: device, precision)
         if cfg.float8.enabled:
-            from llama_train.float8 import check_device
+            from llama_train.engine.float8 import check_device
 
             check_device(cfg.float8, rt.device)
         if rt.is_main:

@@ -7,7 +7,7 @@ import statistics
 import time
 from typing import Any, Dict, List
 
-from llama_train.summary import duration
+from llama_train.job.summary import duration
 
 
 class Interval:
