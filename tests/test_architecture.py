@@ -239,13 +239,13 @@ def test_dependencies_point_down(mods):
                        ("model", "foundation"), ("config", "foundation"), ("comm", "foundation")):
         assert {_layer(n) for n in mods if n.startswith(f"llama_train.{pkg}.")} <= {layer,
                                                                                   "foundation"}, pkg
-    assert {_layer(f"llama_train.{n}") for n in TOP_LEVEL - {"train"}} == {"foundation"}
+    assert {_layer(f"llama_train.{n}") for n in TOP_LEVEL - {"train", "_moved"}} == {"foundation"}
 
 
 # The top level (docs/architecture.md's table of packages): the entry point, the foundations and
 # the helper of the old paths' shims; every other top-level file is a shim (tests/test_old_paths.py
 # checks each one at run time).
-TOP_LEVEL = {"train", "errors", "paths", "util", "proc", "records", "layout", "bounds",
+TOP_LEVEL = {"train", "_moved", "errors", "paths", "util", "proc", "records", "layout", "bounds",
              "policy", "hooks", "watchdog"}
 PACKAGES = {"bench", "checkpoint", "comm", "config", "data", "engine", "hf", "scaling", "job",
             "model", "metrics", "inference"}
@@ -275,6 +275,8 @@ def test_the_top_level_holds_foundations_and_shims(mods):
     users = sorted(f"{n} -> {t}" for n, m in mods.items() for t in m.internal
                    if t.removeprefix("llama_train.") in shims)
     assert not users, "modules that import an old (deprecated) path:\n  " + "\n  ".join(users)
+    m = mods["llama_train._moved"]
+    assert not m.internal, m.internal
 
 
 def test_errors_is_the_bottom(mods):

@@ -1,6 +1,7 @@
 """FP8 linear layers: torchao's float8 training applied to a built model (``float8.enabled``).
 
-A converter beside the model, like ``hf.py``: plain torch + torchao, no DeepSpeed, so it is
+A converter of the built model, in ``engine/`` beside ``build.py`` that applies it (the model
+package stays free of the config this reads): plain torch + torchao, no DeepSpeed, so it is
 tested without an engine; ``engine.build.build_model`` calls :func:`convert` after the model is
 built and initialised and before ``deepspeed.initialize``. ``convert_to_float8_training`` swaps
 each chosen ``nn.Linear`` for a ``Float8Linear`` that holds the *same* ``weight`` Parameter
