@@ -234,7 +234,7 @@ def test_dependencies_point_down(mods):
     assert {_layer(f"llama_train.{n}") for n in LOOP} == {"loop"}
     assert {_layer(f"llama_train.{n}") for n in FOUNDATION} == {"foundation"}
     assert all(f"llama_train.{n}" in mods for n in LAYERS), "a layer names a module that is gone"
-    # every module of the job, the model and the engine has its layer (the shims have none)
+    # every module of the job, the model and the engine has its layer
     for pkg, layer in (("job", "loop"), ("checkpoint", "loop"), ("engine", "engine"),
                        ("model", "foundation"), ("config", "foundation"), ("comm", "foundation")):
         assert {_layer(n) for n in mods if n.startswith(f"llama_train.{pkg}.")} <= {layer,
@@ -243,37 +243,30 @@ def test_dependencies_point_down(mods):
 
 
 # The top level (docs/architecture.md's table of packages): the entry point, the foundations and
-# the helper of the old paths' shims; every other top-level file is a shim (tests/test_old_paths.py
-# checks each one at run time).
+# the import hook of the old paths (llama_train._moved; tests/test_old_paths.py checks each one at
+# run time). Nothing else: the modules of the job, the model, ... live in their packages.
 TOP_LEVEL = {"train", "_moved", "errors", "paths", "util", "proc", "records", "layout", "bounds",
              "policy", "hooks", "watchdog"}
 PACKAGES = {"bench", "checkpoint", "comm", "config", "data", "engine", "hf", "scaling", "job",
             "model", "metrics", "inference"}
-SHIM = re.compile(r'"""Moved to :mod:`(llama_train\.[\w.]+)` \(issue 57\); this path keeps '
-                  r'working, deprecated\."""\n\nfrom llama_train\._moved import alias\n\n'
-                  r'alias\(__name__, "\1"\)\n')
 
 
-def test_the_top_level_holds_foundations_and_shims(mods):
+def test_the_top_level_holds_the_entry_point_and_foundations(mods):
+    from llama_train._moved import MOVED
+
     pkgs = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     assert pkgs == PACKAGES, f"llama_train/ holds the packages {sorted(pkgs)}: list them here and in docs/architecture.md"
     docs = ARCHITECTURE.read_text()
     for pkg in PACKAGES:
         assert f"`{pkg}/`" in docs, f"docs/architecture.md's table of packages lacks {pkg}/"
-    shims = {}
-    for path in sorted(PACKAGE.glob("*.py")):
-        if path.stem in TOP_LEVEL | {"__init__"}:
-            continue
-        m = SHIM.fullmatch(path.read_text())
-        assert m, f"llama_train/{path.name} is neither a foundation (TOP_LEVEL) nor an old path's shim"
-        shims[path.stem] = m.group(1)
-        assert m.group(1) in mods and m.group(1) not in (f"llama_train.{s}" for s in shims), path
-        # a shim is its own package in the graph: one import, of the helper
-        assert mods[f"llama_train.{path.stem}"].internal == {"llama_train._moved"}, path
+    files = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert files == TOP_LEVEL, f"llama_train/ holds {sorted(files - TOP_LEVEL)} beside the " \
+                               f"foundations: put them in a package (or list them in TOP_LEVEL)"
     assert all(f"llama_train.{n}" in mods for n in TOP_LEVEL)
-    # nothing of the package imports an old path (the shims warn: new code uses the new ones)
-    users = sorted(f"{n} -> {t}" for n, m in mods.items() for t in m.internal
-                   if t.removeprefix("llama_train.") in shims)
+    # every old path names a module that exists, and none is imported by the package (they warn:
+    # new code uses the new ones)
+    assert all(new in mods for new in MOVED.values()), sorted(set(MOVED.values()) - set(mods))
+    users = sorted(f"{n} -> {t}" for n, m in mods.items() for t in m.internal if t in MOVED)
     assert not users, "modules that import an old (deprecated) path:\n  " + "\n  ".join(users)
     m = mods["llama_train._moved"]
     assert not m.internal, m.internal

@@ -1,5 +1,5 @@
-"""The module paths of before the packages (issue 57) keep working: each old top-level file is a
-shim that makes its name the new module (one object: a monkeypatch through the old path patches
+"""The module paths of before the packages (issue 57) keep working: an import hook
+(llama_train._moved) makes each old name the new module (one object: a monkeypatch through the old path patches
 the module the code runs) and warns (DeprecationWarning) at the line that imported it; the new
 paths warn nothing, and the torch-free model arguments stay torch-free under either name.
 """
@@ -44,14 +44,14 @@ def _resolve(spec: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def test_every_shim_is_listed():
-    """The top-level files that are shims are exactly the old paths of MOVED, each naming its
-    new module (tests/test_architecture.py checks that they hold nothing else)."""
-    shims = {p.stem: p.read_text() for p in PACKAGE.glob("*.py")
-             if "from llama_train._moved import alias" in p.read_text()}
-    assert set(shims) == set(MOVED)
-    for old, new in MOVED.items():
-        assert f'alias(__name__, "{new}")' in shims[old], old
+def test_the_old_paths_are_one_table_and_no_files():
+    """The package's table of old paths (llama_train._moved.MOVED, read by its import hook) is
+    this one, and no top-level file of an old name is left to shadow or be confused with it."""
+    from llama_train import _moved
+
+    assert _moved.MOVED == {f"llama_train.{old}": new for old, new in MOVED.items()}
+    assert not [old for old in MOVED if (PACKAGE / f"{old}.py").exists()]
+    assert sum(isinstance(f, _moved.OldPaths) for f in sys.meta_path) == 1
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
@@ -160,4 +160,4 @@ def test_python_m_an_old_path_runs_the_new_module():
                          text=True, cwd=PACKAGE.parent)
     assert out.returncode == 0, out.stderr
     assert "usage: llama-plot" in out.stdout
-    assert "llama_train.plot moved to llama_train.metrics.plot" in out.stderr
+    assert "FutureWarning: llama_train.plot moved to llama_train.metrics.plot" in out.stderr

@@ -1,5 +1,0 @@
-"""Moved to :mod:`llama_train.metrics.tracking` (issue 57); this path keeps working, deprecated."""
-
-from llama_train._moved import alias
-
-alias(__name__, "llama_train.metrics.tracking")
