@@ -161,3 +161,28 @@ def test_a_run_from_an_export_trains_and_resumes_with_its_tokenizer(made, tmp_pa
         file_sha256(made["foreign"])
     train(cfg_for(out, *args, "trainer.max_steps=2"))
     assert resolve_checkpoint(out).name == "step_00000002"
+
+
+# -- the dry run shows init_from's tokenizer (issue 57: the dry run is the run's plan) ----------
+def test_the_dry_run_and_cfg_job_show_the_tokenizer_the_run_uses(made, tmp_path, capsys):
+    """The dry run and --cfg job of a start from an export name the export's tokenizer as
+    data.tokenizer, said as the run logs it (they printed the config without it: the data a
+    dry run described was not the data the run then tokenized), and prepare nothing."""
+    from helpers import TINY, launch_vars_restored
+    from llama_train.job.dry_run import dry_run, print_job_config
+
+    hf, out = made["hf_foreign"], tmp_path / "run"
+    tok, sha = hf / "tokenizer.model", file_sha256(made["foreign"])
+    with launch_vars_restored():
+        dry_run(cfg_for(out, f"trainer.init_from={hf}", "trainer.dry_run=true"))
+    text = capsys.readouterr().out
+    said = (f"trainer.init_from={hf}: tokenizing the data with its tokenizer {tok} (sha256 "
+            f"{sha[:12]}), the one its weights were trained with")
+    assert f"\n  {said}\n" in text, text
+    assert f"\n    tokenizer: {tok} (data.tokenizer)\n" in text, text
+    assert not out.exists()
+    with launch_vars_restored():
+        print_job_config([*TINY, "trainer.micro_batch=4", f"trainer.output_dir={out}",
+                          f"trainer.init_from={hf}"])
+    shown = capsys.readouterr().out
+    assert f"\n# {said}\n" in shown and f"\n  tokenizer: {tok}\n" in shown, shown

@@ -187,7 +187,7 @@ def test_the_dry_run_prints_the_plans_batch(tmp_path, monkeypatch, capsys):
     text = capsys.readouterr().out
     [(scope, job)] = made
     b = job.batch
-    assert scope == "config" and b.grad_accum == 7
+    assert scope == "preview" and b.grad_accum == 7
     assert (f"  batch: 1 rank(s) x micro {b.micro_batch} x accum 7 = {b.global_batch} sequences "
             f"x {b.seq_len} tokens = {b.tokens_per_step:,} tokens/step") in text, text
     assert f"steps: {job.cfg.trainer.max_steps:,} (" in text

@@ -64,12 +64,13 @@ def resolve_batch(trainer: TrainerConfig, world_size: int) -> BatchPlan:
 
 
 def validate(cfg: Config, world_size: int, device: str,
-             ranks_per_node: Optional[int] = None) -> BatchPlan:
+             ranks_per_node: Optional[int] = None, fp8_device: bool = True) -> BatchPlan:
     """Checks across groups (each group checks its own fields when it is built). Raises
     ConfigError naming the key and the fix; returns the batch resolved for ``world_size``.
     ``ranks_per_node``: the launcher's ranks on this node (``Runtime.local_world_size``); by
     default read as ``engine.detect_runtime`` reads it (LOCAL_SIZE, LOCAL_WORLD_SIZE, else the
-    world: one node)."""
+    world: one node). ``fp8_device=False``: float8 is not judged against ``device`` (a preview
+    on another machine than the job's: :func:`check_float8` with no device)."""
     t = cfg.trainer
     if t.seq_len > cfg.model.max_seq_len:
         raise ConfigError(
@@ -88,7 +89,7 @@ def validate(cfg: Config, world_size: int, device: str,
             f"50000000).")
     if device == "cpu" and cfg.deepspeed.precision == "fp16":
         raise ConfigError("deepspeed.precision=fp16 is not supported on CPU: use fp32 (or bf16).")
-    _check_float8(cfg, device)
+    check_float8(cfg, device if fp8_device else None)
     _check_zeropp_mics(cfg, world_size, device, ranks_per_node)
     return resolve_batch(t, parallel_layout(cfg, world_size).data_parallel)
 
@@ -166,13 +167,19 @@ def _check_zeropp_mics(cfg: Config, world_size: int, device: str,
                 f"node ({ranks_per_node}), or {key}={off} for off.")
 
 
-def _check_float8(cfg: Config, device: str) -> None:
+def check_float8(cfg: Config, device: Optional[str]) -> None:
     """float8.enabled needs bf16 and, unless emulated, a device with FP8 matmuls (the compute
     capability of a GPU is llama_train.engine.float8.check_device's, in preflight: it needs
-    torch)."""
+    torch). ``device`` None: the job's device is not this machine's (the dry run's preview), so
+    only what holds on any device is judged: an explicit precision other than bf16."""
     f8 = cfg.float8
     if not f8.enabled:
         return
+    if device is None:
+        if cfg.deepspeed.precision not in ("bf16", "auto"):  # auto: bf16 on CUDA
+            device = "cuda"  # refused below by its precision alone, on any device
+        else:
+            return
     if device != "cuda" and not f8.emulate:
         raise ConfigError(
             f"float8.enabled=true on {device}, which has no FP8 matmuls: set "

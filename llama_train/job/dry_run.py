@@ -1,5 +1,8 @@
 """``trainer.dry_run=true``: the one resolved plan a command would train, printed, then exit.
-No process group and no data preparation.
+No process group and no data preparation. The plan is the run's own (plan.plan_job,
+``scope="preview"``): a simulated rank's switches, a resume's kept global batch and
+trainer.init_from's tokenizer are what it shows, said in the words the run logs; only the FP8
+device is left to the launch (said so), as a dry run may be asked on another machine.
 
 What it shows, each from the module that decides it at run time: the experiment's plan
 (scaling), the model's shape and counts, the batch arithmetic (config.validate), ZeRO, precision
@@ -30,7 +33,7 @@ def dry_run(cfg: Config) -> None:
 
     rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
     setup_logging(rt.rank, rt.is_main)
-    job = plan_job(cfg, rt, scope="config")  # the layout, the experiment's plan, the batch
+    job = plan_job(cfg, rt, scope="preview")  # the run's plan; the FP8 device left to the launch
     cfg, experiment, plan, layout = job.cfg, job.experiment, job.batch, job.layout
     check_tokenizer_fits(cfg)  # a tokenizer that cannot feed the model: refused, not planned
     if not rt.is_main:
@@ -51,6 +54,9 @@ def dry_run(cfg: Config) -> None:
     lines = [
         "dry run (trainer.dry_run=true): the plan, nothing started",
         *([f"  experiment: {experiment.describe()}"] if experiment else []),
+        *[f"  {note}" for note in job.notes],  # what the plan changed, as the run logs it
+        *[f"  warning: {w}" for w in job.warnings],
+        *[f"  {d}" for d in job.deferred],
         f"  model: dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads ({m.kv_heads} kv), vocab "
         f"{m.vocab_size}, ffn {m.ffn_hidden_dim}, max_seq_len {m.max_seq_len}"
         f"{', activation checkpointing' if m.activation_checkpointing else ''}"
@@ -81,9 +87,11 @@ def dry_run(cfg: Config) -> None:
 
 
 def print_job_config(overrides: List[str]) -> None:
-    """``llama-train --cfg job``: the config this command trains with, as YAML: the experiment's
-    plan applied (model shape, steps, warmup, lr), interpolations resolved (the output_dir an
-    experiment names), secrets scrubbed. Hydra's own ``--cfg job`` printed the composed config
+    """``llama-train --cfg job``: the config this command trains with, as YAML: the run's plan
+    (plan.plan_job, ``scope="preview"``) applied: the experiment's (model shape, steps, warmup,
+    lr), a resume's kept global batch, trainer.init_from's tokenizer, a simulated rank's
+    switches, each said in a comment as the run logs it; interpolations resolved (the
+    output_dir an experiment names), secrets scrubbed. Hydra's own ``--cfg job`` printed the composed config
     before any of that (dim 128 and 150 steps where the run trained dim 64 for 1027 steps)."""
     import yaml
     from hydra import compose, initialize_config_dir
@@ -95,11 +103,13 @@ def print_job_config(overrides: List[str]) -> None:
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = load_config(compose("config", overrides=list(overrides)))
     rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
-    job = plan_job(cfg, rt, scope="config")  # as the dry run plans it
+    job = plan_job(cfg, rt, scope="preview")  # as the dry run plans it: the run's plan
     cfg, experiment = job.cfg, job.experiment
-    head = ("# llama-train --cfg job: the config this command trains with"
-            + (f" (experiment: {experiment.describe()})" if experiment else "")
-            + "; interpolations resolved, secrets scrubbed")
+    head = "\n# ".join(
+        ["# llama-train --cfg job: the config this command trains with"
+         + (f" (experiment: {experiment.describe()})" if experiment else "")
+         + "; interpolations resolved, secrets scrubbed",
+         *job.notes, *[f"warning: {w}" for w in job.warnings], *job.deferred])
     print(head + "\n" + yaml.safe_dump(to_container(cfg), sort_keys=False), end="", flush=True)
 
 
@@ -157,6 +167,8 @@ def _data_lines(cfg: Config, found, why: Optional[str], tokens: int) -> List[str
     else:
         lines = [f"  data: {d.source}" + (f" (first {d.max_documents:,} documents)"
                                           if d.max_documents else "")]
+    if d.tokenizer:  # given, or trainer.init_from's (the plan sets it)
+        lines.append(f"    tokenizer: {d.tokenizer} (data.tokenizer)")
     if found is None:
         return lines + [f"    epochs: unknown "
                         f"({why or 'not prepared yet: it would be prepared first'})"]

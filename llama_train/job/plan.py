@@ -4,10 +4,12 @@ config the job trains with (a simulated rank's switches, the experiment's plan, 
 global batch, trainer.init_from's tokenizer), how its ranks share the work
 (:class:`llama_train.layout.ParallelLayout`), the batch and the checkpoint a resume would
 continue. Preflight asks it once and holds the plan (``Preflight.job``); the trainer reads it;
-the dry run, ``--cfg job`` and a --multirun sweep's check ask it for what they show.
+the dry run and ``--cfg job`` ask it for the same plan (``scope="preview"``) and show it; a
+--multirun sweep's check asks it for each job's layout and batch.
 
-Reads files only where a run would (``scope="run"``: the resume's candidate checkpoint,
-init_from's files, the prepared data's meta.json); creates nothing, starts no process group.
+Reads files only where a run would (``scope="run"`` and ``"preview"``: the resume's candidate
+checkpoint, init_from's files, the prepared data's meta.json); creates nothing, starts no
+process group.
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from llama_train.config import (BatchPlan, Config, ConfigError, config_warnings, parallel_layout,
                                 validate)
+from llama_train.config.validation import check_float8
 from llama_train.layout import ParallelLayout
 
 log = logging.getLogger("llama_train")
 
-SCOPES = ("check", "config", "run")
+SCOPES = ("check", "config", "preview", "run")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,12 @@ class JobPlan:
     # start); its global batch kept where the config sets none. preflight judges it
     # (resume.check_resume) once the output dir is known to be usable
     resume_candidate: Optional[Path] = None
+    # what plan_job changed in the config or found, each line as the run logs it (INFO): the
+    # resume's kept global batch, init_from's tokenizer, a simulated rank's switches
+    notes: Tuple[str, ...] = ()
+    warnings: Tuple[str, ...] = ()  # config.config_warnings, logged as WARNING
+    # scope="preview": the checks left to the launch, each with what it says on this machine
+    deferred: Tuple[str, ...] = ()
 
 
 def plan_job(cfg: Config, rt: Any, scope: str = "run") -> JobPlan:
@@ -49,39 +58,99 @@ def plan_job(cfg: Config, rt: Any, scope: str = "run") -> JobPlan:
     FP8 on this device, the config's warnings (logged), trainer.init_from's weights and
     tokenizer.
 
-    ``scope`` is how much of that a caller asks for, as each has always asked:
-    ``"run"`` all of it (preflight); ``"config"`` the layout, the experiment's plan and the
-    batch (the dry run, ``--cfg job``); ``"check"`` the layout and the batch of the config as
-    composed (a --multirun sweep's check of each job)."""
+    ``scope`` is how much of that a caller asks for:
+
+    - ``"run"``: all of it (preflight).
+    - ``"preview"``: the run's plan, all of it but the FP8 device: float8 is not refused for
+      this machine's device (config.validate's device type and auto precision,
+      engine.float8.check_device's torchao and compute capability), since a dry run may be
+      asked on a CPU login node of a GPU job; what those checks say here is kept in
+      ``JobPlan.deferred`` for the caller to show, and the launch still refuses (the dry run,
+      ``--cfg job``: they show what the run would train, the resume's kept batch and
+      init_from's tokenizer included). Reads the same files as ``"run"``, writes nothing.
+    - ``"config"``: the layout, the experiment's plan and the batch of the config alone, no
+      files read (no caller in the package: the dry run asked it before ``"preview"``).
+    - ``"check"``: the layout and the batch of the config as composed (a --multirun sweep's
+      check of each job, before any job's experiment, data or output dir exists).
+
+    Not asked, and why (the plan's refusals would change what they do): the simulation's
+    ``replan`` and planner figures and the bench's memory worker derive their layout with
+    ``config.parallel_layout`` / ``layout.ParallelLayout`` and their batch with
+    ``config.resolve_batch`` directly. ``replan`` judges a finished run's saved config.yaml,
+    which config.validate may now refuse (checks added since it ran; MiCS, which this
+    DeepSpeed lacks; a float8 run replanned on another device) although the planner still has
+    figures for it; ``planned`` and ``planned_traffic`` take the config and batch of a plan
+    already made (the trainer's, the dry run's). The memory worker builds DeepSpeed's engine
+    from its own arguments (a model JSON, stage, precision, micro-batch, sequence ranks), not
+    a Config: validate's checks of a training job (sample.tokens against the model's
+    max_seq_len, data.shard_tokens, fp16 on CPU) are no part of what it measures."""
     if scope not in SCOPES:
         raise ValueError(f"plan_job: scope={scope!r}, not one of {SCOPES}")
-    run = scope == "run"
-    if run and rt.simulated:
-        cfg = simulation_config(cfg)
+    full = scope in ("run", "preview")  # the run's plan; "preview" defers the FP8 device
+    notes, warnings, deferred = [], (), ()
+    if full and rt.simulated:
+        cfg, note = _simulated(cfg, rt)
+        notes += [note] if note else []
     layout = parallel_layout(cfg, rt.world_size, rt.rank)
     experiment = candidate = None
     if scope != "check":
         cfg, experiment = plan_experiment(cfg, layout.data_parallel)
-    if run:
+    if full:
         candidate = _resume_candidate(cfg)  # looked for once: a file may change between looks
-        cfg = _keep_checkpoint_batch(cfg, candidate, layout.data_parallel, rt.is_main)
+        cfg = _keep_checkpoint_batch(cfg, candidate, layout.data_parallel, rt.is_main, notes)
     # ranks per node: hpZ and MiCS groups must fit inside one (deepspeed.zeropp, mics_shard_size)
-    batch = validate(cfg, rt.world_size, rt.device_type, ranks_per_node=rt.local_world_size)
-    if run:
+    batch = validate(cfg, rt.world_size, rt.device_type, ranks_per_node=rt.local_world_size,
+                     fp8_device=scope != "preview")
+    if full:
         # float8: torchao present, FP8 matmuls on this GPU (validate: device, precision)
         if cfg.float8.enabled:
-            from llama_train.engine.float8 import check_device
-
-            check_device(cfg.float8, rt.device)
+            deferred = _fp8_device(cfg, rt, refuse=scope == "run")
+        warnings = tuple(config_warnings(cfg))
         if rt.is_main:
-            for warning in config_warnings(cfg):
+            for warning in warnings:
                 log.warning("%s", warning)
         if cfg.trainer.init_from:
             from llama_train.hf import check_init_from
 
             check_init_from(cfg.trainer.init_from, cfg.model)
-            cfg = _init_from_tokenizer(cfg, resuming=candidate is not None, main=rt.is_main)
-    return JobPlan(cfg, rt, layout, batch, experiment, candidate)
+            cfg = _init_from_tokenizer(cfg, resuming=candidate is not None, main=rt.is_main,
+                                       notes=notes)
+    return JobPlan(cfg, rt, layout, batch, experiment, candidate, tuple(notes), warnings,
+                   deferred)
+
+
+def _fp8_device(cfg: Config, rt: Any, refuse: bool) -> Tuple[str, ...]:
+    """float8 on this machine's device: validate's device type and precision, then torchao and
+    the GPU's compute capability (engine.float8.check_device). ``refuse`` (the run): their
+    ConfigError raised, else (); not ``refuse`` (a preview): one line, what they say here."""
+    from llama_train.engine.float8 import check_device
+
+    try:
+        check_float8(cfg, rt.device_type)
+        check_device(cfg.float8, rt.device)
+    except ConfigError as e:
+        if refuse:
+            raise
+        here = f"here it would be refused: {e}"
+    else:
+        if refuse:
+            return ()
+        here = "this machine passes it"
+    return (f"float8: the FP8 device (torchao; FP8 matmuls, a GPU of compute capability 8.9 "
+            f"or later, or float8.emulate=true) is checked at launch, on the job's devices; "
+            f"{here}",)
+
+
+def _simulated(cfg: Config, rt: Any):
+    """A simulated rank's config (:func:`simulation_config`) and what that switched off, in
+    words (None: nothing was on). Preflight logs its start warning, which says the same."""
+    planned = simulation_config(cfg)
+    off = [w for w, on in (("W&B (tracking.wandb.mode=disabled)",
+                            cfg.tracking.wandb.mode != "disabled"),
+                           ("the text sample (sample.tokens=0)", cfg.sample.tokens > 0)) if on]
+    note = (f"comm.simulate_ranks={rt.world_size}: rank {rt.rank} of {rt.world_size} alone; "
+            f"switched off: {', '.join(off)}" if off else None)
+    return planned, note
 
 
 def simulation_config(cfg):
@@ -114,7 +183,8 @@ def _resume_candidate(cfg: Config):
     return resume_candidate(cfg.trainer.output_dir, cfg.trainer.resume)
 
 
-def _keep_checkpoint_batch(cfg: Config, ckpt, world_size: int, main: bool) -> Config:
+def _keep_checkpoint_batch(cfg: Config, ckpt, world_size: int, main: bool,
+                           notes: Optional[list] = None) -> Config:
     """A resume keeps the checkpoint's global batch (the data order is a function of it) when
     the user sets none: trainer.global_batch's default, micro_batch x world size, changes with
     the number of ranks, and a 2-rank run resumed on 1 rank was refused. Gradient accumulation
@@ -135,14 +205,23 @@ def _keep_checkpoint_batch(cfg: Config, ckpt, world_size: int, main: bool) -> Co
             f"trainer.micro_batch={t.micro_batch} x {world_size} rank(s) = {per_step} does not "
             f"divide: set trainer.micro_batch so that micro_batch x ranks divides {saved} (the "
             f"global batch cannot change within a run), or start a new trainer.output_dir.")
-    if main:
-        log.info("resuming %s: keeping its global batch of %d sequences (trainer.micro_batch=%d "
-                 "x %d rank(s) x %d accumulation steps): the global batch cannot change "
-                 "within a run", ckpt, saved, t.micro_batch, world_size, saved // per_step)
+    _said(notes, main,
+          f"resuming {ckpt}: keeping its global batch of {saved} sequences (trainer.micro_batch="
+          f"{t.micro_batch} x {world_size} rank(s) x {saved // per_step} accumulation steps): "
+          f"the global batch cannot change within a run")
     return replace(cfg, trainer=replace(t, global_batch=saved))
 
 
-def _init_from_tokenizer(cfg: Config, resuming: bool, main: bool) -> Config:
+def _said(notes: Optional[list], main: bool, note: str) -> None:
+    """A change the plan made, logged (INFO, on the main rank) and kept in ``notes``."""
+    if notes is not None:
+        notes.append(note)
+    if main:
+        log.info("%s", note)
+
+
+def _init_from_tokenizer(cfg: Config, resuming: bool, main: bool,
+                         notes: Optional[list] = None) -> Config:
     """The config whose data is tokenized with the tokenizer trainer.init_from's weights were
     trained with (data.tokenizer set to it, unless it names one that tokenizes alike): a
     tokenizer trained afresh on this run's data gave other ids to the same pieces, and the run
@@ -172,9 +251,8 @@ def _init_from_tokenizer(cfg: Config, resuming: bool, main: bool) -> Config:
         found = None
     have = found.meta["tokenizer"].get("sha256") if found is not None else None
     if have == sha:
-        if main:
-            log.info("trainer.init_from=%s: the data in %s is tokenized with its tokenizer "
-                     "(sha256 %s)", t.init_from, found.dir, sha[:12])
+        _said(notes, main, f"trainer.init_from={t.init_from}: the data in {found.dir} is "
+                           f"tokenized with its tokenizer (sha256 {sha[:12]})")
         return cfg
     if have is not None and d.prepared_dir and not resuming:
         raise ConfigError(
@@ -182,7 +260,6 @@ def _init_from_tokenizer(cfg: Config, resuming: bool, main: bool) -> Config:
             f"{have[:12]}, not the one trainer.init_from={t.init_from} was trained with ({tok}, "
             f"sha256 {sha[:12]}): its weights would train on another tokenizer's ids. Give "
             f"another data.prepared_dir (or null) to prepare the data with init_from's tokenizer.")
-    if main:
-        log.info("trainer.init_from=%s: tokenizing the data with its tokenizer %s (sha256 %s), "
-                 "the one its weights were trained with", t.init_from, tok, sha[:12])
+    _said(notes, main, f"trainer.init_from={t.init_from}: tokenizing the data with its tokenizer "
+                       f"{tok} (sha256 {sha[:12]}), the one its weights were trained with")
     return replace(cfg, data=replace(d, tokenizer=tok))

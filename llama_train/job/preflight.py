@@ -161,7 +161,8 @@ def check_tokenizer_fits(cfg: Config) -> None:
     from llama_train.data.meta import tokenizer_settings
 
     d = cfg.data
-    if d.tokenizer is None and cfg.trainer.init_from:  # the dry run: preflight has set it
+    # init_from's own tokenizer, which the plan leaves unset where the data already uses it
+    if d.tokenizer is None and cfg.trainer.init_from:
         from llama_train.hf import init_from_tokenizer_file
 
         own = init_from_tokenizer_file(cfg.trainer.init_from)
