@@ -92,3 +92,28 @@ def test_float8_dry_run_on_cpu_plans_and_leaves_the_device_to_the_launch(tmp_pat
     with launch_vars_restored(), pytest.raises(ConfigError, match=r"float8.emulate=true"):
         preflight(cfg_for(out, *fp8))  # the launch: refused, nothing started or written
     assert not out.exists() and not dist.is_initialized()
+
+
+def test_the_layout_scope_judges_nothing_but_the_layout():
+    """plan_job(scope="layout"), for a config that already ran (the simulation's replan) or
+    is no training job (the bench's memory worker): the layout and batch a check would give,
+    where config.validate refuses the config; a layout that cannot work is still refused."""
+    from dataclasses import replace
+
+    from helpers import compose_cfg
+    from llama_train.config import BatchPlan, ConfigError, validate
+    from llama_train.engine import Runtime
+    from llama_train.job.plan import plan_job
+    from llama_train.layout import ParallelLayout
+
+    cfg = compose_cfg([*TINY, "trainer.micro_batch=2", "trainer.global_batch=8",
+                       "parallel.sequence=2"])
+    rt = Runtime("cpu", 3, 1, 4, 2)
+    bad = replace(cfg, sample=replace(cfg.sample, tokens=cfg.model.max_seq_len))
+    with pytest.raises(ConfigError, match="sample.tokens="):
+        validate(bad, 4, "cpu")
+    job = plan_job(bad, rt, scope="layout")
+    assert job.layout == ParallelLayout(4, 3, 2) and job.batch == BatchPlan(2, 2, 2, 8, 64)
+    assert job.batch == plan_job(cfg, rt, scope="check").batch and job.cfg is bad
+    with pytest.raises(ConfigError, match="parallel.sequence=3 does not divide"):
+        plan_job(replace(cfg, parallel=replace(cfg.parallel, sequence=3)), rt, scope="layout")

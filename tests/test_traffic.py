@@ -21,6 +21,7 @@ from helpers import cfg_for, train as launch, world_of_one
 from llama_train.comm import counting, simulate
 from llama_train.config import resolve_batch
 from llama_train.job.simulation import format_table, planned_traffic as planned_for_run
+from llama_train.layout import ParallelLayout
 from llama_train.scaling import ScalingError
 from llama_train.scaling.traffic import by_key, optimizer_groups, planned_traffic
 
@@ -162,7 +163,8 @@ def _plan_of(cfg, world):
 
     precision = resolve_precision(cfg.deepspeed, "cpu")
     batch = resolve_batch(cfg.trainer, world // cfg.parallel.sequence)  # data-parallel ranks
-    return by_key(planned_for_run(cfg, cfg.model, batch, precision, world)["collectives"])
+    layout = ParallelLayout(world, 0, cfg.parallel.sequence)
+    return by_key(planned_for_run(cfg, cfg.model, batch, precision, layout)["collectives"])
 
 
 def _simulated(tmp_path, world, overrides):

@@ -42,6 +42,7 @@ from helpers import (REPO, TINY, compose_cfg, copy_at_step, free_port, losses, m
                      resumed_from, run, run_main, tail, train)
 from llama_train import policy
 from llama_train.config import ConfigError, validate
+from llama_train.layout import ParallelLayout
 
 ZERO3 = "deepspeed=zero3"
 HPZ = "deepspeed.zeropp.hpz_partition_size"
@@ -321,7 +322,7 @@ def test_a_simulated_ranks_plan_counts_hpz():
 
     cfg = cfg_of(ZERO3, f"{HPZ}=2", "comm.simulate_ranks=4")
     plan = resolve_batch(cfg.trainer, 4)
-    p = planned(cfg, cfg.model, plan, "fp32", 4, "cpu")
+    p = planned(cfg, cfg.model, plan, "fp32", ParallelLayout(4, 0), "cpu")
     assert p["phase_terms"]["backward"][HPZ_TERM] == 4 * p["n_params"] / 2
 
 
@@ -371,7 +372,7 @@ def hpz_traffic_equals_the_plan(out: Path, overrides) -> None:
 
     cfg = compose_cfg([*STEPS, f"trainer.output_dir={out}", *overrides])
     plan = planned_traffic(cfg, cfg.model, resolve_batch(cfg.trainer, 4),
-                           resolve_precision(cfg.deepspeed, "cpu"), 4)
+                           resolve_precision(cfg.deepspeed, "cpu"), ParallelLayout(4, 0))
     assert "error" not in plan and plan["exact"] and plan["hpz_partition_size"] == 2, plan
     want = by_key(plan["collectives"])
     assert ("backward", "all_gather", 2) in want and ("forward", "all_gather", 4) in want, want

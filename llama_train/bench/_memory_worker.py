@@ -210,10 +210,11 @@ def main(argv=None) -> None:
 
     from llama_train import engine as eng
     from llama_train.comm import CommConfig
-    from llama_train.config import DeepSpeedConfig, OptimConfig, TrainerConfig, resolve_batch
+    from llama_train.config import (Config, DeepSpeedConfig, OptimConfig, ParallelConfig,
+                                    TrainerConfig)
     from llama_train.job.optim import param_groups
+    from llama_train.job.plan import plan_job
     from llama_train.job.train_module import TrainModule
-    from llama_train.layout import ParallelLayout
     from llama_train.model import ModelArgs, count_params
     from llama_train.proc import exit_skipping_teardown
 
@@ -221,13 +222,17 @@ def main(argv=None) -> None:
     eng.init_distributed(CommConfig(), rt.device_type)
     margs = ModelArgs(**json.loads(args.model_json))
     optim = OptimConfig()
-    layout = ParallelLayout(rt.world_size, rt.rank, args.sequence_parallel)  # the trainer's
-    sp = layout.sequence_parallel
-    mpu = eng.init_sequence_parallel(sp)  # the trainer's groups (None for 1)
-    plan = resolve_batch(TrainerConfig(seq_len=args.seq_len, micro_batch=args.micro_batch),
-                         layout.data_parallel)
     ds_cfg = DeepSpeedConfig(zero_stage=args.stage, precision=args.precision,
                              offload_params=args.offload, offload_optimizer=args.offload)
+    # the trainer's layout and batch, from plan_job's "layout" scope: this worker's own config
+    # (DeepSpeed's knobs on a model) is no training job for config.validate to judge
+    job = plan_job(Config(model=margs, optim=optim, deepspeed=ds_cfg,
+                          trainer=TrainerConfig(seq_len=args.seq_len, micro_batch=args.micro_batch),
+                          parallel=ParallelConfig(sequence=args.sequence_parallel)),
+                   rt, scope="layout")
+    layout, plan = job.layout, job.batch
+    sp = layout.sequence_parallel
+    mpu = eng.init_sequence_parallel(sp)  # the trainer's groups (None for 1)
     ds_config = eng.build_ds_config(ds_cfg, optim, plan, rt.device_type, model_dim=margs.dim)
     ds_config["zero_optimization"].update(json.loads(args.ds_zero))
     eng.warm_up(args.offload)

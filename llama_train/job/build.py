@@ -133,7 +133,7 @@ def build_job(pre, job: Resolved) -> Components:
     torch.manual_seed(t.seed)
     precision = eng.resolve_precision(cfg.deepspeed, rt.device_type)
     # comm.simulate_ranks: this rank's phases measured (the idle baseline is read here)
-    sim = Simulation(rt, cfg, model_args, plan, precision) if rt.simulated else None
+    sim = Simulation(rt, cfg, model_args, plan, precision, layout) if rt.simulated else None
     simulation = simulation_of(sim)
     # parallel.sequence=N: groups of N consecutive ranks share each sequence (the layout's
     # sequence groups are DeepSpeed's), each group one data-parallel replica

@@ -74,7 +74,7 @@ def dry_run(cfg: Config) -> None:
         f"{'offload of the ' + ' and '.join(offload) + ' to CPU' if offload else 'no offload'}",
         f"  DeepSpeed config{' (deepspeed.extra merged last)' if ds.extra else ''}: "
         f"{json.dumps(ds_config, sort_keys=True)}",
-        *_memory_lines(cfg, m, plan, rt, precision),
+        *_memory_lines(cfg, m, plan, layout, rt, precision),
         *_data_lines(cfg, found, why, tokens),
         f"  attention: causal"
         f"{', stopped at document boundaries (trainer.document_mask=true)' if t.document_mask else ' over the whole packed window (trainer.document_mask=false)'}",
@@ -113,13 +113,13 @@ def print_job_config(overrides: List[str]) -> None:
     print(head + "\n" + yaml.safe_dump(to_container(cfg), sort_keys=False), end="", flush=True)
 
 
-def _memory_lines(cfg: Config, m, plan: BatchPlan, rt, precision: str) -> List[str]:
+def _memory_lines(cfg: Config, m, plan: BatchPlan, layout, rt, precision: str) -> List[str]:
     """One rank's peak from the planner, and whether it fits this machine's device (a GPU's
     memory; on CPU the host's, shared by the ranks of this node)."""
     from llama_train.job.simulation import planned
 
     # a real rank of this world: on CPU gloo's own copies count (None)
-    peak = planned(cfg, m, plan, precision, rt.world_size, rt.device_type, gloo_copies=None)
+    peak = planned(cfg, m, plan, precision, layout, rt.device_type, gloo_copies=None)
     if "error" in peak:  # settings the planner does not model
         return [f"  memory per rank: not planned ({peak['error']})"]
     where = (f"{peak['device'] / GIB:.2f} GiB on the device + {peak['host'] / GIB:.2f} GiB host"

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any, Optional, Tuple
 
 from llama_train.config import (BatchPlan, Config, ConfigError, config_warnings, parallel_layout,
-                                validate)
+                                resolve_batch, validate)
 from llama_train.config.validation import check_float8
 from llama_train.layout import ParallelLayout
 
 log = logging.getLogger("llama_train")
 
-SCOPES = ("check", "config", "preview", "run")
+SCOPES = ("check", "config", "layout", "preview", "run")
 
 
 @dataclass(frozen=True)
@@ -72,20 +72,21 @@ def plan_job(cfg: Config, rt: Any, scope: str = "run") -> JobPlan:
       files read (no caller in the package: the dry run asked it before ``"preview"``).
     - ``"check"``: the layout and the batch of the config as composed (a --multirun sweep's
       check of each job, before any job's experiment, data or output dir exists).
-
-    Not asked, and why (the plan's refusals would change what they do): the simulation's
-    ``replan`` and planner figures and the bench's memory worker derive their layout with
-    ``config.parallel_layout`` / ``layout.ParallelLayout`` and their batch with
-    ``config.resolve_batch`` directly. ``replan`` judges a finished run's saved config.yaml,
-    which config.validate may now refuse (checks added since it ran; MiCS, which this
-    DeepSpeed lacks; a float8 run replanned on another device) although the planner still has
-    figures for it; ``planned`` and ``planned_traffic`` take the config and batch of a plan
-    already made (the trainer's, the dry run's). The memory worker builds DeepSpeed's engine
-    from its own arguments (a model JSON, stage, precision, micro-batch, sequence ranks), not
-    a Config: validate's checks of a training job (sample.tokens against the model's
-    max_seq_len, data.shard_tokens, fp16 on CPU) are no part of what it measures."""
+    - ``"layout"``: the layout and the batch alone (``config.parallel_layout``, its refusals
+      of a layout that cannot work, then ``config.resolve_batch``), judged by nothing else:
+      for a config that is checked elsewhere or already ran. The simulation's ``replan`` (a
+      finished run's saved config.yaml, which config.validate could now refuse although the
+      planner still has figures for it: a check added since it ran, MiCS, which this
+      DeepSpeed lacks) and the bench's memory worker (a Config of its own arguments, DeepSpeed's
+      knobs on a model; validate's checks of a training job, sample.tokens against the
+      model's max_seq_len, data.shard_tokens, fp16 on CPU, are no part of what it measures).
+      The simulation's planner figures (``planned``, ``planned_traffic``) take the layout of a
+      plan already made (the trainer's, the dry run's, ``replan``'s)."""
     if scope not in SCOPES:
         raise ValueError(f"plan_job: scope={scope!r}, not one of {SCOPES}")
+    if scope == "layout":
+        layout = parallel_layout(cfg, rt.world_size, rt.rank)
+        return JobPlan(cfg, rt, layout, resolve_batch(cfg.trainer, layout.data_parallel))
     full = scope in ("run", "preview")  # the run's plan; "preview" defers the FP8 device
     notes, warnings, deferred = [], (), ()
     if full and rt.simulated:

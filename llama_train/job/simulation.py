@@ -43,10 +43,11 @@ def start_warning(world: int, rank: int) -> str:
 class Simulation:
     """The measurements of one simulated rank; :meth:`report` gathers them."""
 
-    def __init__(self, rt, cfg, model_args, plan, precision: str):
+    def __init__(self, rt, cfg, model_args, plan, precision: str, layout):
         from llama_train import engine as eng
 
         self.rt, self.cfg, self.model_args, self.plan = rt, cfg, model_args, plan
+        self.layout = layout  # the plan's (plan.plan_job): the planner is asked for its world
         self.precision = precision
         ds = cfg.deepspeed
         eng.warm_up(ds.offload_optimizer or ds.offload_params)  # not in the idle baseline
@@ -118,23 +119,23 @@ class Simulation:
                   "command_to_first_step_s": self.to_first_step_s}
         report["traffic"] = traffic_beside_the_plan(self.traffic.to_dict(), self.cfg,
                                                     self.model_args, self.plan, self.precision,
-                                                    self.rt.world_size)
-        return beside_the_plan(report, self.cfg, self.model_args, self.plan, self.precision)
+                                                    self.layout)
+        return beside_the_plan(report, self.cfg, self.model_args, self.plan, self.precision,
+                               self.layout)
 
 
-def planned(cfg, model_args, plan, precision: str, world: int, device: str,
+def planned(cfg, model_args, plan, precision: str, layout, device: str,
             gloo_copies: Optional[bool] = False) -> Dict[str, Any]:
-    """The planner's phases for one rank of ``world`` (bytes), or {"error": why} where it has
-    none. A simulated rank's collectives are answered in place and copy nothing, so gloo's own
-    copies are not counted by default (None: counted on CPU, as for a real rank there)."""
-    from llama_train.config import parallel_layout
+    """The planner's phases for one rank of ``layout`` (the plan's ParallelLayout, from
+    plan.plan_job) in bytes, or {"error": why} where it has none. A simulated rank's collectives
+    are answered in place and copy nothing, so gloo's own copies are not counted by default
+    (None: counted on CPU, as for a real rank there)."""
     from llama_train.scaling.memory import rank_peak_memory
 
     ds = cfg.deepspeed
     try:
-        layout = parallel_layout(cfg, world)
         return rank_peak_memory(
-            model_args, zero_stage=ds.zero_stage, world_size=world, dtype=precision,
+            model_args, zero_stage=ds.zero_stage, world_size=layout.world, dtype=precision,
             micro_batch=plan.micro_batch, seq_len=plan.seq_len,
             offload_optimizer=ds.offload_optimizer, offload_params=ds.offload_params,
             device=device, ds=ds, gloo_copies=gloo_copies,
@@ -143,15 +144,14 @@ def planned(cfg, model_args, plan, precision: str, world: int, device: str,
         return {"error": str(e)}
 
 
-def planned_traffic(cfg, model_args, plan, precision: str, world: int) -> Dict[str, Any]:
+def planned_traffic(cfg, model_args, plan, precision: str, layout) -> Dict[str, Any]:
     """:func:`llama_train.scaling.traffic.planned_traffic` for this run's settings (what a rank
-    of ``world`` should send per step), or {"error": why} where it has no figure."""
-    from llama_train.config import parallel_layout
+    of ``layout``, the plan's ParallelLayout, should send per step), or {"error": why} where it
+    has no figure."""
     from llama_train.scaling.traffic import planned_traffic as plan_traffic
 
     try:
-        layout = parallel_layout(cfg, world)
-        return plan_traffic(model_args, world_size=world, zero_stage=cfg.deepspeed.zero_stage,
+        return plan_traffic(model_args, world_size=layout.world, zero_stage=cfg.deepspeed.zero_stage,
                             dtype=precision, grad_accum=plan.grad_accum,
                             micro_batch=plan.micro_batch, seq_len=plan.seq_len,
                             sequence_parallel=layout.sequence_parallel, ds=cfg.deepspeed,
@@ -162,14 +162,14 @@ def planned_traffic(cfg, model_args, plan, precision: str, world: int) -> Dict[s
 
 
 def traffic_beside_the_plan(counted: Dict[str, Any], cfg, model_args, plan, precision: str,
-                            world: int) -> Dict[str, Any]:
+                            layout) -> Dict[str, Any]:
     """One step's counted collectives (:func:`llama_train.comm.counting.step_summary`) beside the
     planner's: bytes per kind, and per (phase, kind, group size) whether they are equal."""
     from llama_train.comm.counting import step_summary
     from llama_train.scaling.traffic import by_key
 
     step = step_summary(counted)
-    p = planned_traffic(cfg, model_args, plan, precision, world)
+    p = planned_traffic(cfg, model_args, plan, precision, layout)
     want = by_key(p.get("collectives", []))
     got = by_key(step["rows"])
     return {"step": step["step"], "all_steps_equal": step["all_steps_equal"],
@@ -198,11 +198,11 @@ def _not_yet(planned: Dict[str, Any], phase: str, zero_stage: int) -> float:
     return 0.0
 
 
-def beside_the_plan(report: Dict[str, Any], cfg, model_args, plan,
-                    precision: str) -> Dict[str, Any]:
+def beside_the_plan(report: Dict[str, Any], cfg, model_args, plan, precision: str,
+                    layout) -> Dict[str, Any]:
     """``report`` (measured phases) with the planner's figure and the ratio beside each phase,
-    and the planner's peak."""
-    p = planned(cfg, model_args, plan, precision, report["ranks"], report["device"])
+    and the planner's peak (for ``layout``, the plan's: report["ranks"] ranks)."""
+    p = planned(cfg, model_args, plan, precision, layout, report["device"])
     phases = {**p.get("phases", {}), **p.get("checkpoint_phases", {})}
     rows = []
     for row in report["phases"]:
@@ -224,8 +224,10 @@ def replan(output_dir: str) -> Dict[str, Any]:
 
     from omegaconf import OmegaConf
 
-    from llama_train.config import Config, load_config, parallel_layout, resolve_batch
+    from llama_train.config import Config, load_config
+    from llama_train.engine import Runtime
     from llama_train.errors import BadInput
+    from llama_train.job.plan import plan_job
     from llama_train.records import RUN_INFO_FILE
 
     out = Path(output_dir)
@@ -238,8 +240,11 @@ def replan(output_dir: str) -> Dict[str, Any]:
     from llama_train.engine import resolve_precision
 
     precision = resolve_precision(cfg.deepspeed, report["device"])
-    batch = resolve_batch(cfg.trainer, parallel_layout(cfg, report["ranks"]).data_parallel)
-    return beside_the_plan(report, cfg, cfg.model, batch, precision)
+    # the layout and batch the run had (plan_job's "layout" scope: its config is not judged
+    # again, a check added since would refuse what the planner still has figures for)
+    rt = Runtime(report["device"], report["rank"], 0, report["ranks"], 1, simulated=True)
+    job = plan_job(cfg, rt, scope="layout")
+    return beside_the_plan(report, cfg, cfg.model, job.batch, precision, job.layout)
 
 
 def format_table(r: Dict[str, Any]) -> str:
