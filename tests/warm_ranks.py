@@ -71,6 +71,7 @@ RUNTIME_VARS = frozenset({
     "LLAMA_TRAIN_FAULTS", "LLAMA_TRAIN_WATCHDOG_S", "WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT",
     "WANDB_ENTITY", "WANDB_API_KEY", "WANDB_SILENT", "WANDB_RUN_ID", "WANDB_RESUME",
     "LLAMA_TRAIN_PROBE_OUT", "LLAMA_TRAIN_PROBE_EXIT", "PYTEST_CURRENT_TEST",
+    "HANG_WORKER_STOP",  # tests/workers/hang_worker.py: read as a step runs
     "PATH", "T",  # tests/test_docs_commands.py: the venv first on PATH, its tiny arguments
     # read when used, not on import: torch._inductor's cache_dir(), llama_train.paths.cache_dir()
     "TORCHINDUCTOR_CACHE_DIR", "LLAMA_TRAIN_CACHE",
@@ -104,7 +105,8 @@ def _script_of(path: str) -> Optional[str]:
 
 def plan(cmd: List[str]) -> Optional[dict]:
     """How to run ``cmd`` in this interpreter, as ``exec`` would: ``python -u -m MOD ARGS``,
-    ``python -m MOD ARGS`` or a console script of this interpreter; None: exec it for real."""
+    ``python -m MOD ARGS``, ``python [-u] FILE.py ARGS`` or a console script of this
+    interpreter; None: exec it for real."""
     if not cmd:
         return None
     if _interpreter(cmd[0]):
@@ -114,6 +116,10 @@ def plan(cmd: List[str]) -> Optional[dict]:
             i += 1
         if i + 1 < len(cmd) and cmd[i] == "-m":
             return {"module": cmd[i + 1], "args": cmd[i + 2:], "unbuffered": "-u" in flags,
+                    "executable": os.path.abspath(cmd[0]), "cmdline": list(cmd)}
+        if i < len(cmd) and cmd[i].endswith(".py") and os.path.isfile(cmd[i]):
+            # python [-u] FILE ARGS (the launcher's ranks of a script): run as the file
+            return {"script": cmd[i], "args": cmd[i + 1:], "unbuffered": "-u" in flags,
                     "executable": os.path.abspath(cmd[0]), "cmdline": list(cmd)}
         return None
     interp = _script_of(cmd[0]) if os.sep in cmd[0] else None

@@ -48,7 +48,8 @@ def main() -> None:
         "job_command": proc.job_command(), "stdin": os.readlink("/proc/self/fd/0"),
         "stdout_write_through": sys.stdout.write_through, "main": __name__,
         "same_session_as_parent": os.getsid(0) == os.getsid(ppid),
-        "llama_train": llama_train.__file__, "main_spec": sys.modules["__main__"].__spec__.name,
+        "llama_train": llama_train.__file__,
+        "main_spec": getattr(sys.modules["__main__"].__spec__, "name", None),  # None: a file
     }
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
