@@ -149,7 +149,7 @@ def test_a_worker_sigkilled_mid_run_stops_the_run_with_exit_6(tmp_path):
     out, log = tmp_path / "run", tmp_path / "run.log"
     cmd = [sys.executable, "-m", "llama_train.train", *TINY, f"trainer.output_dir={out}",
            "trainer.max_steps=100000", "data.num_workers=1", "sample.tokens=0"]
-    with spawn(cmd, log) as proc:
+    with spawn(cmd, log, warm=True) as proc:
         assert wait_for(lambda: len(losses_so_far(out)) >= 2 or proc.poll() is not None, 120)
         workers = _worker_of(proc.pid)
         assert workers, tail(log)
@@ -171,7 +171,7 @@ def test_two_ranks_a_worker_of_rank_1_killed_the_job_exits_6(tmp_path):
     out, log = tmp_path / "run", tmp_path / "run.log"
     cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", "trainer.max_steps=100000",
                         "data.num_workers=1", "sample.tokens=0"])
-    with spawn(cmd, log) as proc:
+    with spawn(cmd, log, warm=True) as proc:
         assert wait_for(lambda: len(losses_so_far(out)) >= 2 or proc.poll() is not None, 180)
         r1 = rank_pid(proc.pid, 1)
         workers = _worker_of(r1) if r1 else []
