@@ -200,6 +200,9 @@ def run_here(cmd: List[str], env: Dict[str, str], how: dict) -> int:
     import random
 
     random.seed()  # a fresh interpreter seeds from the OS; forks would share the parent's state
+    # the loggers as the imports left them: a rank forked from DeepSpeed's launcher would keep
+    # the level its --log_level set (INFO), where a rank it exec's starts at DeepSpeed's WARNING
+    _restore_log_levels(_BASE["log_levels"])
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     if _launcher(how):
@@ -241,6 +244,25 @@ def _leave(code: int) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     os._exit(code & 0xFF)
+
+
+def _log_levels() -> Dict[str, tuple]:
+    """Each logger's level and its handlers' levels."""
+    import logging
+
+    loggers = [logging.getLogger(), *[x for x in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(x, logging.Logger)]]
+    return {lg.name: (lg.level, [h.level for h in lg.handlers]) for lg in loggers}
+
+
+def _restore_log_levels(levels: Dict[str, tuple]) -> None:
+    import logging
+
+    for name, (level, handlers) in levels.items():
+        lg = logging.getLogger(name if name != "root" else None)
+        lg.setLevel(level)
+        for h, hl in zip(lg.handlers, handlers):
+            h.setLevel(hl)
 
 
 def _child(cmd, env, how, stdout=None, stderr=None) -> None:
@@ -361,6 +383,7 @@ def serve() -> None:
     _BASE["import_env"] = {k: v for k, v in os.environ.items() if _BASE["env"].get(k) != v}
     extra = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     _BASE["site_path"] = [p for p in sys.path[1:] if p != here and p not in extra]
+    _BASE["log_levels"] = _log_levels()
     threads = _threads()  # a fork copies one thread: any other's locks could stay held
     # what the imports made, out of the collector's sight: a child's collections would walk
     # (and copy-on-write) the whole inherited heap, ~1 CPU-s per process
