@@ -86,6 +86,9 @@ def start(cmd: List[str], log: Path, env: Optional[Dict[str, str]] = None, warm:
         job = _WARM.start([str(c) for c in cmd], full, str(REPO), str(log))
         if job is not None:
             return job
+        # LLAMA_TRAIN_TEST_WARM=require: a test that asks to fork and cannot fails, saying why
+        assert os.environ.get("LLAMA_TRAIN_TEST_WARM") != "require", \
+            f"not forked ({_WARM.why}): {' '.join(map(str, cmd))}"
     with open(log, "w") as fh:
         return subprocess.Popen(cmd, cwd=REPO, env=full, stdin=subprocess.DEVNULL, stdout=fh,
                                 stderr=subprocess.STDOUT, start_new_session=True)

@@ -314,7 +314,7 @@ def test_sigterm_during_a_simulated_save_stops_promptly(tmp_path):
     out, log = tmp_path / "out", tmp_path / "train.log"
     cmd = [sys.executable, "-m", "llama_train.train", *TINY, f"trainer.output_dir={out}",
            "trainer.max_steps=50", "trainer.save_every=2", f"comm.simulate_ranks={MAX_RANKS}"]
-    with spawn(cmd, log, {"LLAMA_TRAIN_FAULTS": "slow_save:step=2,seconds=3"}) as proc:
+    with spawn(cmd, log, {"LLAMA_TRAIN_FAULTS": "slow_save:step=2,seconds=3"}, warm=True) as proc:
         saving = out / "checkpoints" / ".tmp-step_00000002"
         assert wait_for(lambda: saving.exists() or proc.poll() is not None, 300, 0.05), tail(log)
         assert proc.poll() is None, tail(log)

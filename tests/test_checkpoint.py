@@ -136,7 +136,8 @@ def test_background_writes_killed_failing_sigtermed_and_finished_exactly(uninter
     ckpts = out / "checkpoints"
     cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", *STEPS])
     log1 = runs / "background-1-killed.log"
-    with spawn(cmd, log1, {"LLAMA_TRAIN_FAULTS": "slow_save:step=8,seconds=300"}) as proc:
+    with spawn(cmd, log1, {"LLAMA_TRAIN_FAULTS": "slow_save:step=8,seconds=300"},
+               warm=True) as proc:
         assert wait_for(lambda: max(losses_so_far(out), default=0) >= 10, timeout=240,
                         interval=0.05), tail(log1)
         assert (ckpts / ".tmp-step_00000008").is_dir(), tail(log1)
@@ -148,7 +149,7 @@ def test_background_writes_killed_failing_sigtermed_and_finished_exactly(uninter
     log2 = runs / "background-2-disk-full.log"
     faults = "slow_save:step=12,seconds=4;save_error:step=16,rank=1,errno=ENOSPC"
     with spawn(launcher_cmd([*TINY, f"trainer.output_dir={out}", *STEPS]), log2,
-               {"LLAMA_TRAIN_FAULTS": faults}) as proc:
+               {"LLAMA_TRAIN_FAULTS": faults}, warm=True) as proc:
         rc = proc.wait(timeout=300)
     text = log2.read_text()
     assert rc == 3, tail(log2)

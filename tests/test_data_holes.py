@@ -474,7 +474,7 @@ def _job(work: Path, tiny: str, name: str, action: str, at_step: int, nprocs: in
     else:
         cmd = launcher_cmd(args, nprocs)
     res = {"name": name, "log_path": log}
-    with spawn(cmd, log) as proc:
+    with spawn(cmd, log, warm=True) as proc:
         if not wait_for(lambda: _last_step(out) >= at_step or proc.poll() is not None, 300, 0.05):
             return {**res, "error": f"step {at_step} never logged\n{tail(log)}"}
         ranks = [proc.pid] if nprocs == 1 else [rank_pid(proc.pid, r) for r in range(nprocs)]

@@ -49,7 +49,7 @@ def _train(tmp_path: Path, overrides=(), env=None, timeout: float = 120, name: s
     out, log = tmp_path / name, tmp_path / f"{name}.log"
     cmd = [sys.executable, "-m", "llama_train.train", *TINY, f"trainer.output_dir={out}",
            "sample.tokens=0", *overrides]
-    rc = run(cmd, log, timeout=timeout, env=env, check=False)
+    rc = run(cmd, log, timeout=timeout, env=env, check=False, warm=True)
     return rc, log.read_text(errors="replace")
 
 
@@ -149,7 +149,7 @@ def test_a_worker_sigkilled_mid_run_stops_the_run_with_exit_6(tmp_path):
     out, log = tmp_path / "run", tmp_path / "run.log"
     cmd = [sys.executable, "-m", "llama_train.train", *TINY, f"trainer.output_dir={out}",
            "trainer.max_steps=100000", "data.num_workers=1", "sample.tokens=0"]
-    with spawn(cmd, log) as proc:
+    with spawn(cmd, log, warm=True) as proc:
         assert wait_for(lambda: len(losses_so_far(out)) >= 2 or proc.poll() is not None, 120)
         workers = _worker_of(proc.pid)
         assert workers, tail(log)
@@ -171,7 +171,7 @@ def test_two_ranks_a_worker_of_rank_1_killed_the_job_exits_6(tmp_path):
     out, log = tmp_path / "run", tmp_path / "run.log"
     cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", "trainer.max_steps=100000",
                         "data.num_workers=1", "sample.tokens=0"])
-    with spawn(cmd, log) as proc:
+    with spawn(cmd, log, warm=True) as proc:
         assert wait_for(lambda: len(losses_so_far(out)) >= 2 or proc.poll() is not None, 180)
         r1 = rank_pid(proc.pid, 1)
         workers = _worker_of(r1) if r1 else []
@@ -359,7 +359,7 @@ def test_two_ranks_a_removed_partial_save_is_never_said_left_behind(tmp_path):
     out, log = tmp_path / "run", tmp_path / "run.log"
     cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", "trainer.max_steps=4",
                         "trainer.save_every=2", "sample.tokens=0", "trainer.async_save=false"])
-    rc = run(cmd, log, timeout=180, check=False,
+    rc = run(cmd, log, timeout=180, check=False, warm=True,
              env={"LLAMA_TRAIN_FAULTS": "save_error:step=2,rank=1,errno=ENOSPC"})
     text = log.read_text(errors="replace")
     errors = [line for line in text.splitlines() if "llama-train: error:" in line]

@@ -179,7 +179,8 @@ def test_cli_refuses_float8_on_cpu_before_any_process_group(tmp_path):
     """llama-train exits 2 with one line naming the key and the fix, and writes nothing."""
     out, log = tmp_path / "run", tmp_path / "log"
     rc = run([sys.executable, "-m", "llama_train.train", *TINY, f"trainer.output_dir={out}",
-              "float8.enabled=true", "deepspeed.precision=bf16"], log, timeout=120, check=False)
+              "float8.enabled=true", "deepspeed.precision=bf16"], log, timeout=120, check=False,
+             warm=True)
     text = log.read_text()
     assert rc == 2, tail(log)
     assert "float8.emulate=true" in text and "Traceback" not in text, tail(log)

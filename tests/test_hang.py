@@ -102,7 +102,7 @@ def _run(case: Case, work: Path) -> dict:
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
            str(WORKER), *overrides]
     res = {"case": case.name}
-    with spawn(cmd, log, env) as proc:
+    with spawn(cmd, log, env, warm=True) as proc:
         if case.phase == "train":
             if not wait_for(lambda: _last_step(out) >= 3 or proc.poll() is not None, 300, 0.05):
                 return {**res, "error": "step 3 never logged\n" + tail(log)}
@@ -148,7 +148,7 @@ def _stuck_loop(work: Path) -> dict:
     cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", "deepspeed.zero_stage=2",
                         f"comm.timeout_s={TIMEOUT_S}", "trainer.max_steps=100000"])
     res = {"log_path": log}
-    with spawn(cmd, log, {"LLAMA_TRAIN_FAULTS": "hang:step=4,rank=1"}) as proc:
+    with spawn(cmd, log, {"LLAMA_TRAIN_FAULTS": "hang:step=4,rank=1"}, warm=True) as proc:
         if not wait_for(lambda: _last_step(out) >= 3 or proc.poll() is not None, 300, 0.05):
             return {"error": "step 3 never logged\n" + tail(log)}
         t0 = time.monotonic()

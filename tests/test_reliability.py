@@ -258,7 +258,7 @@ def test_rank_death_then_disk_full_then_tampered_checkpoint(reference, runs):
     # -- rank 1 is SIGKILLed mid-run: the whole job exits non-zero, promptly, naming rank 1 ------
     log1 = runs / "chain-1-rank-killed.log"
     with spawn(launcher_cmd([*TINY, f"trainer.output_dir={out}", "deepspeed.zero_stage=2",
-                             *SCENARIO]), log1, env) as proc:
+                             *SCENARIO]), log1, env, warm=True) as proc:
         assert wait_for(lambda: max(losses_so_far(out), default=0) >= 4, 240, 0.02), tail(log1)
         pid = rank_pid(proc.pid, 1)
         assert pid is not None, f"no rank 1 under launcher {proc.pid}"
@@ -279,7 +279,7 @@ def test_rank_death_then_disk_full_then_tampered_checkpoint(reference, runs):
     log2 = runs / "chain-2-disk-full.log"
     fault = f"{FAULTS};save_error:step={k + 2},rank=1,errno=ENOSPC"
     with spawn(launcher_cmd([*TINY, f"trainer.output_dir={out}", "deepspeed.zero_stage=2",
-                             *SCENARIO]), log2, {"LLAMA_TRAIN_FAULTS": fault}) as proc:
+                             *SCENARIO]), log2, {"LLAMA_TRAIN_FAULTS": fault}, warm=True) as proc:
         rc = proc.wait(timeout=300)
     text = log2.read_text()
     assert rc == 3, tail(log2)  # every rank: CheckpointError -> exit 3

@@ -58,7 +58,7 @@ def test_isoflop_multirun_and_fit(tmp_path):
            "model.vocab_size=2048", "scaling.flops=2e10", "scaling.params=5e5,1e6",
            f"trainer.output_dir='{sweep}/C${{sci:${{scaling.flops}}}}-N${{sci:${{scaling.params}}}}'",
            f"hydra.sweep.dir={tmp_path / 'hydra'}"]
-    run(cmd, tmp_path / "sweep.log", timeout=600)
+    run(cmd, tmp_path / "sweep.log", timeout=600, warm=True)
     assert sorted(p.name for p in sweep.iterdir()) == ["C2e10-N1e6", "C2e10-N5e5"]
     infos = [RunInfo.read(p) for p in sorted(sweep.glob("*/run_info.json"))]
     assert len(infos) == 2
@@ -92,7 +92,7 @@ def test_model_info_matches_deepspeed_optimizer_bytes(tmp_path):
     cmd = launcher_cmd([], nprocs=2)
     i = cmd.index("--module")
     cmd = cmd[:i] + [str(REPO / "tests" / "workers" / "zero_memory_worker.py")]
-    run(cmd, log, timeout=300)
+    run(cmd, log, timeout=300, warm=True)
     # both ranks print to one stream, so their lines can interleave: pick the objects out
     import re
 

@@ -36,9 +36,11 @@ def probe(out, cmd, warm: bool, env=None):
     return rc, records, signals, (out.parent / f"{out.name}.log").read_text()
 
 
-def launch(port: int, *args: str):
-    return [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), "--module",
-            PROBE, *args]
+def launch(port: int, *args: str, script: bool = False):
+    """The probe launched as a module (``--module``, as llama_train.train is), or as a file
+    (``deepspeed ... FILE.py``, as tests/workers/hang_worker.py is)."""
+    what = [str(REPO / (PROBE.replace(".", "/") + ".py"))] if script else ["--module", PROBE]
+    return [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), *what, *args]
 
 
 def differences(real: dict, warm: dict) -> dict:
@@ -54,11 +56,13 @@ def differences(real: dict, warm: dict) -> dict:
     return out
 
 
-def test_a_forked_rank_gets_what_the_launcher_gives(tmp_path):
+@pytest.mark.parametrize("script", [False, True], ids=["module", "file"])
+def test_a_forked_rank_gets_what_the_launcher_gives(tmp_path, script):
     port = free_port()
     args = ["model=tiny", "trainer.output_dir=/x y", "--flag"]
-    rc_real, real, _, log_real = probe(tmp_path / "real", launch(port, *args), warm=False)
-    rc_warm, warm, _, log_warm = probe(tmp_path / "warm", launch(port, *args), warm=True)
+    cmd = launch(port, *args, script=script)
+    rc_real, real, _, log_real = probe(tmp_path / "real", cmd, warm=False)
+    rc_warm, warm, _, log_warm = probe(tmp_path / "warm", cmd, warm=True)
     assert rc_real == rc_warm == 0, (log_real[-2000:], log_warm[-2000:])
     assert sorted(real) == sorted(warm) == ["0", "1"]
     for rank in real:
@@ -68,6 +72,8 @@ def test_a_forked_rank_gets_what_the_launcher_gives(tmp_path):
     assert r["env"]["RANK"] == "0" and r["env"]["WORLD_SIZE"] == "2"
     assert r["env"]["MASTER_PORT"] == str(port) and r["env"]["LOCAL_SIZE"] == "2"
     assert "deepspeed.launcher.launch" in r["parent"]
+    assert r["main_spec"] == (None if script else PROBE)  # a file ran, or the module
+    assert r["path"][0] == str((REPO / PROBE.replace(".", "/")).parent if script else REPO)
     assert r["under_launcher"] and r["job_command"].startswith("deepspeed --num_gpus 2")
 
 

@@ -164,7 +164,7 @@ def test_a_rank_killed_during_a_background_write_then_an_exact_resume(reference,
     ckpts = out / "checkpoints"
     log = runs / "killed_in_write.log"
     with spawn(launcher_cmd([*TINY, f"trainer.output_dir={out}", *Z3]), log,
-               {"LLAMA_TRAIN_FAULTS": "slow_save:step=4,seconds=300"}) as proc:
+               {"LLAMA_TRAIN_FAULTS": "slow_save:step=4,seconds=300"}, warm=True) as proc:
         assert wait_for(lambda: max(losses_so_far(out), default=0) >= 5, timeout=240,
                         interval=0.05), tail(log)
         assert (ckpts / ".tmp-step_00000004").is_dir(), tail(log)

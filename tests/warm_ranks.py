@@ -71,6 +71,7 @@ RUNTIME_VARS = frozenset({
     "LLAMA_TRAIN_FAULTS", "LLAMA_TRAIN_WATCHDOG_S", "WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT",
     "WANDB_ENTITY", "WANDB_API_KEY", "WANDB_SILENT", "WANDB_RUN_ID", "WANDB_RESUME",
     "LLAMA_TRAIN_PROBE_OUT", "LLAMA_TRAIN_PROBE_EXIT", "PYTEST_CURRENT_TEST",
+    "HANG_WORKER_STOP",  # tests/workers/hang_worker.py: read as a step runs
     "PATH", "T",  # tests/test_docs_commands.py: the venv first on PATH, its tiny arguments
     # read when used, not on import: torch._inductor's cache_dir(), llama_train.paths.cache_dir()
     "TORCHINDUCTOR_CACHE_DIR", "LLAMA_TRAIN_CACHE",
@@ -104,7 +105,8 @@ def _script_of(path: str) -> Optional[str]:
 
 def plan(cmd: List[str]) -> Optional[dict]:
     """How to run ``cmd`` in this interpreter, as ``exec`` would: ``python -u -m MOD ARGS``,
-    ``python -m MOD ARGS`` or a console script of this interpreter; None: exec it for real."""
+    ``python -m MOD ARGS``, ``python [-u] FILE.py ARGS`` or a console script of this
+    interpreter; None: exec it for real."""
     if not cmd:
         return None
     if _interpreter(cmd[0]):
@@ -114,6 +116,10 @@ def plan(cmd: List[str]) -> Optional[dict]:
             i += 1
         if i + 1 < len(cmd) and cmd[i] == "-m":
             return {"module": cmd[i + 1], "args": cmd[i + 2:], "unbuffered": "-u" in flags,
+                    "executable": os.path.abspath(cmd[0]), "cmdline": list(cmd)}
+        if i < len(cmd) and cmd[i].endswith(".py") and os.path.isfile(cmd[i]):
+            # python [-u] FILE ARGS (the launcher's ranks of a script): run as the file
+            return {"script": cmd[i], "args": cmd[i + 1:], "unbuffered": "-u" in flags,
                     "executable": os.path.abspath(cmd[0]), "cmdline": list(cmd)}
         return None
     interp = _script_of(cmd[0]) if os.sep in cmd[0] else None
@@ -194,6 +200,9 @@ def run_here(cmd: List[str], env: Dict[str, str], how: dict) -> int:
     import random
 
     random.seed()  # a fresh interpreter seeds from the OS; forks would share the parent's state
+    # the loggers as the imports left them: a rank forked from DeepSpeed's launcher would keep
+    # the level its --log_level set (INFO), where a rank it exec's starts at DeepSpeed's WARNING
+    _restore_log_levels(_BASE["log_levels"])
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     if _launcher(how):
@@ -235,6 +244,25 @@ def _leave(code: int) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     os._exit(code & 0xFF)
+
+
+def _log_levels() -> Dict[str, tuple]:
+    """Each logger's level and its handlers' levels."""
+    import logging
+
+    loggers = [logging.getLogger(), *[x for x in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(x, logging.Logger)]]
+    return {lg.name: (lg.level, [h.level for h in lg.handlers]) for lg in loggers}
+
+
+def _restore_log_levels(levels: Dict[str, tuple]) -> None:
+    import logging
+
+    for name, (level, handlers) in levels.items():
+        lg = logging.getLogger(name if name != "root" else None)
+        lg.setLevel(level)
+        for h, hl in zip(lg.handlers, handlers):
+            h.setLevel(hl)
 
 
 def _child(cmd, env, how, stdout=None, stderr=None) -> None:
@@ -355,6 +383,7 @@ def serve() -> None:
     _BASE["import_env"] = {k: v for k, v in os.environ.items() if _BASE["env"].get(k) != v}
     extra = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     _BASE["site_path"] = [p for p in sys.path[1:] if p != here and p not in extra]
+    _BASE["log_levels"] = _log_levels()
     threads = _threads()  # a fork copies one thread: any other's locks could stay held
     # what the imports made, out of the collector's sight: a child's collections would walk
     # (and copy-on-write) the whole inherited heap, ~1 CPU-s per process

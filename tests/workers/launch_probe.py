@@ -5,6 +5,7 @@
 record; the others wait to be stopped (the launcher's SIGTERM) and record that they were."""
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -36,6 +37,7 @@ def main() -> None:
     import llama_train
     from llama_train import proc
 
+    ds_log = logging.getLogger("DeepSpeed")
     out = os.environ["LLAMA_TRAIN_PROBE_OUT"]
     rank = os.environ.get("RANK", "solo")
     launcher = proc.stop_with_launcher()
@@ -48,7 +50,10 @@ def main() -> None:
         "job_command": proc.job_command(), "stdin": os.readlink("/proc/self/fd/0"),
         "stdout_write_through": sys.stdout.write_through, "main": __name__,
         "same_session_as_parent": os.getsid(0) == os.getsid(ppid),
-        "llama_train": llama_train.__file__, "main_spec": sys.modules["__main__"].__spec__.name,
+        "llama_train": llama_train.__file__,
+        "main_spec": getattr(sys.modules["__main__"].__spec__, "name", None),  # None: a file
+        # DeepSpeed's logger (and its handlers): a rank's DeepSpeed says only what a real one says
+        "deepspeed_log_levels": [ds_log.level, [h.level for h in ds_log.handlers]],
     }
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
