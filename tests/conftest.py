@@ -13,7 +13,7 @@ from llama_train.proc import ds_shm_buffer
 
 # One OpenBLAS thread for numpy/scipy in this process and in what it starts, set before numpy is
 # imported: on 2 cores OpenBLAS's spin-waiting threads make the many small solves of the scaling
-# fits several times slower whenever anything else runs (tests/test_scaling_fit.py beside two
+# fits several times slower whenever anything else runs (tests/scaling/test_scaling_fit.py beside two
 # busy processes: 17.5 s with its default 2 threads, 6.9 s with 1). The launched ranks get
 # OMP_NUM_THREADS=1 from helpers._env. Under pytest-xdist (make test: 3 workers on 2 cores) so
 # does torch in each worker and what it starts: with a thread per core each, the workers'
@@ -25,7 +25,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # before torch's first import (none c
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # torch.compile's kernels built in the compiling process: by default inductor starts a pool of
 # compile workers (each a fresh interpreter importing torch) in every rank that compiles, for the
-# few small kernels of the tiny model (tests/test_compile.py's ZeRO-3 test: 107.5 CPU-s with the
+# few small kernels of the tiny model (tests/job/test_compile.py's ZeRO-3 test: 107.5 CPU-s with the
 # pool, 100.8 without). Read when torch._inductor.config is imported: before torch is.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -18,7 +18,11 @@ from llama_train.bench.startup import TINY  # noqa: F401 - re-exported for the t
 from llama_train.proc import free_port, kill_session  # free_port: re-exported for the tests
 from llama_train.records import METRICS_FILE, RUN_INFO_FILE, Record, parse_line, read_metrics
 
-REPO = Path(__file__).resolve().parent.parent
+# tests/ (this file, conftest.py, warm_ranks.py, workers/) and the repo above it: the test files
+# sit one level down, in the directory of the package they test (docs/architecture.md)
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+WORKERS = TESTS / "workers"  # the scripts the tests launch as ranks or children
 BIN = Path(sys.executable).parent
 
 

@@ -13,7 +13,7 @@ launcher's code decides every variable and argument a rank gets, its exit codes,
 the other ranks when one fails, exactly as under the real command. Only process creation
 changes: their ``subprocess.Popen`` of a ``python -u -m MOD`` command forks this warm interpreter
 (:class:`ForkedPopen`); anything else is exec'd for real. Signals, exit codes, kills and hangs
-happen to real processes. ``tests/test_warm_ranks.py`` records what the real launcher gives a
+happen to real processes. ``tests/system/test_warm_ranks.py`` records what the real launcher gives a
 rank (environment, ``sys.argv``, ``sys.orig_argv``, ``sys.path``, working directory, its and its
 launcher's command lines, what llama_train reads from them) and fails if this gives anything
 different.
@@ -72,7 +72,7 @@ RUNTIME_VARS = frozenset({
     "WANDB_ENTITY", "WANDB_API_KEY", "WANDB_SILENT", "WANDB_RUN_ID", "WANDB_RESUME",
     "LLAMA_TRAIN_PROBE_OUT", "LLAMA_TRAIN_PROBE_EXIT", "PYTEST_CURRENT_TEST",
     "HANG_WORKER_STOP",  # tests/workers/hang_worker.py: read as a step runs
-    "PATH", "T",  # tests/test_docs_commands.py: the venv first on PATH, its tiny arguments
+    "PATH", "T",  # tests/system/test_docs_commands.py: the venv first on PATH, its tiny arguments
     # read when used, not on import: torch._inductor's cache_dir(), llama_train.paths.cache_dir()
     "TORCHINDUCTOR_CACHE_DIR", "LLAMA_TRAIN_CACHE",
 })

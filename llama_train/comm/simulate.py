@@ -199,7 +199,7 @@ class MirrorGroup(dist.ProcessGroup):
 
 
 # What torch 2.4-2.13 call on a Python process group, by the API that calls it: each must be
-# MirrorGroup's own (tests/test_comm_mirror.py), or the C++ fallback looks for a backend.
+# MirrorGroup's own (tests/comm/test_comm_mirror.py), or the C++ fallback looks for a backend.
 ENTRY_POINTS = {
     "all_reduce": ("allreduce",), "all_reduce_coalesced": ("allreduce_coalesced",),
     "all_gather": ("allgather",), "all_gather_coalesced": ("allgather_coalesced",),

@@ -20,7 +20,7 @@ from llama_train.policy import may_change, per_launch
 def _check_ranges(section: str, obj: Any, ranges: Dict[str, Range]) -> None:
     """Every numeric field of a group has a range (llama_train.bounds), checked here before
     any work starts: ``<section>.<name>=<value> must be <range>: <what it means>.``
-    (tests/test_bounds.py holds a bad value for every numeric key)."""
+    (tests/system/test_bounds.py holds a bad value for every numeric key)."""
     for name, rng in ranges.items():
         msg = rng.message(f"{section}.{name}", getattr(obj, name))
         if msg is not None:

@@ -73,7 +73,7 @@ def gradient_factor(zero_stage: int, mpu) -> float:
     averages over data-parallel replicas (it divides by ranks / N), except ZeRO-3's
     reduce-scatter path, which every ZeRO-3 gradient takes (``reduce_scatter`` is on by
     default) and which divides by all ranks (DeepSpeed 0.19.8): there it is N, else 1.
-    tests/test_sequence_parallel.py checks the gradient norm against one rank, stage by stage."""
+    tests/engine/test_sequence_parallel.py checks the gradient norm against one rank, stage by stage."""
     if mpu is None or zero_stage != 3:
         return 1.0
     return float(mpu.get_sequence_parallel_world_size())

@@ -2,9 +2,9 @@
 :func:`llama_train.scaling.traffic.planned_traffic` from the ring formulas, and the step with
 full and with no overlap of the two.
 
-Plain Python. Its input, the bytes of every collective, is exact (``tests/test_traffic.py``);
+Plain Python. Its input, the bytes of every collective, is exact (``tests/scaling/test_traffic.py``);
 the times are not checked: a gloo benchmark of 2 and 4 ranks against the formulas with the
-bandwidth ``llama-bench allreduce`` measures (``tests/test_steptime.py`` ``gloo_check``) varied
+bandwidth ``llama-bench allreduce`` measures (``tests/scaling/test_steptime.py`` ``gloo_check``) varied
 3-10x between runs on a loaded 2-core host, and NVLink, InfiniBand, NCCL's algorithms, the
 hierarchical placement and how much traffic overlaps compute cannot be measured here at all (the
 truth lies between the two step times printed; docs/scale-out.md).
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from llama_train.model.args import ModelArgs
 
 # Dense bf16 datasheet peaks, FLOP/s per GPU: llama_train.engine.flops' table (which needs torch
-# and a device to read; tests/test_steptime.py checks the two agree)
+# and a device to read; tests/scaling/test_steptime.py checks the two agree)
 DATASHEET_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
                   "A10": 125e12, "4090": 165e12, "V100": 125e12}
 # The MFU the GPU check measured (docs/benchmarks-gpu.md, ~1B model, 1 x H200, seq 2048)

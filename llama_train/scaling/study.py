@@ -105,7 +105,7 @@ FRONTIER_FIT_MIN_FLOPS = FRONTIER_BUDGETS[0]
 FRONTIER_SEEDS = {3e11: (DEFAULT_SEED, SEED2, 1, 2, 3), 1e12: (DEFAULT_SEED, SEED2, 1, 2, 3),
                   3e12: (DEFAULT_SEED, SEED2), 1e13: (DEFAULT_SEED, SEED2, 1, 2, 3)}
 # The inference-optimal models may read the train split at most FRONTIER_EPOCHS times (a design
-# check, tests/test_scaling_study.py): the sweep's repeated runs stay on the law up to 1.55 epochs
+# check, tests/scaling/test_scaling_study.py): the sweep's repeated runs stay on the law up to 1.55 epochs
 # (-1.4% to +1.2%) and lie 2.7-2.8% above it at 1.90 and 2.35. The largest here is 1e13's: 0.77
 # (1.10 under the law of the sweep with seeds near its minima).
 FRONTIER_EPOCHS = 1.6

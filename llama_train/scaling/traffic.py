@@ -2,10 +2,10 @@
 
 Plain Python (no torch, no DeepSpeed): the figures are DeepSpeed 0.19.8's, found by counting
 what a rank runs (:mod:`llama_train.comm.counting`: a simulated rank's ``MirrorGroup`` and a
-real 2- and 4-rank gloo launch), then written down here term by term; ``tests/test_traffic.py``
+real 2- and 4-rank gloo launch), then written down here term by term; ``tests/scaling/test_traffic.py``
 checks the three agree byte for byte at ZeRO-1, 2 and 3, in fp32 and bf16, with gradient
 accumulation and with sequence parallelism, and with ZeRO++'s hpZ (a simulated rank and
-``tests/test_zeropp.py``'s two-"node" launch).
+``tests/engine/test_zeropp.py``'s two-"node" launch).
 
 Conventions (the counter's): the bytes of a collective are those of the whole buffer it is
 about, ``S`` in the ring formulas (:mod:`llama_train.scaling.steptime`): an all-reduce's tensor,
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 PHASES = ("forward", "backward", "step")
 
-# The scalar all-reduces of each step, measured (tests/test_traffic.py counts them):
+# The scalar all-reduces of each step, measured (tests/scaling/test_traffic.py counts them):
 LOSS_ALL_REDUCE = 3 * 8  # ours (TrainModule._all_ranks): loss sum, non-finite flag, stop flag, float64
 # DeepSpeed's optimizer step: two scalars (gradient norm, overflow), fp32 at ZeRO-1/2, 8 bytes each
 # at ZeRO-3; ZeRO-1/2 in bf16 add a one-byte flag

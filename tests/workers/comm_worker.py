@@ -1,4 +1,4 @@
-"""Rank program for tests/test_comm.py: ring_all_reduce must agree with dist.all_reduce.
+"""Rank program for tests/comm/test_comm.py: ring_all_reduce must agree with dist.all_reduce.
 
 Started by the real `deepspeed` launcher (plain, or launch/local_two_nodes.sh). Prints one
 "RANK r/w ..." line per rank, then checks many sizes/dtypes/shapes; exits 1 on any mismatch.

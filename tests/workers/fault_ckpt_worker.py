@@ -1,4 +1,4 @@
-"""One process (world of 1, a real DeepSpeed engine) for tests/test_reliability.py: checkpoint
+"""One process (world of 1, a real DeepSpeed engine) for tests/system/test_reliability.py: checkpoint
 saves that fail (injected errors; a full tmpfs and a read-only bind mount when this process may
 mount), the resume afterwards, and tampered checkpoint files.
 

@@ -1,4 +1,4 @@
-"""Rank program for tests/test_hang.py: ``llama-train`` itself, with two test-only additions.
+"""Rank program for tests/system/test_hang.py: ``llama-train`` itself, with two test-only additions.
 
 * A hook reports the step to the watchdog as each step begins, and the eval phase, as the
   trainer's own calls do (``watchdog.note(step=..., phase="train")``).

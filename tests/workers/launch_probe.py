@@ -1,5 +1,5 @@
 """What a rank receives from whatever started it, as JSON in $LLAMA_TRAIN_PROBE_OUT/<RANK>.json
-(tests/test_warm_ranks.py compares the real launcher's ranks with forked ones).
+(tests/system/test_warm_ranks.py compares the real launcher's ranks with forked ones).
 
 ``LLAMA_TRAIN_PROBE_EXIT=R:CODE``: rank R exits with CODE once the others have written their
 record; the others wait to be stopped (the launcher's SIGTERM) and record that they were."""

@@ -5,7 +5,7 @@ Hugging Face export, ``trainer.init_from``, the end-of-run sample, and CPU offlo
 and optimizer.
 
 Tolerances: a resume on the same world size must be bit-identical. A run on another world size
-sums gradients in another order (see tests/test_launcher_runs.py's note): 2e-4. Step 1's loss
+sums gradients in another order (see tests/system/test_launcher_runs.py's note): 2e-4. Step 1's loss
 comes from the initial weights before any update, so it differs only by the order of the loss
 sum: 1e-6.
 """

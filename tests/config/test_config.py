@@ -252,7 +252,7 @@ def test_a_runs_saved_config_file_composes_onto_the_schema(tmp_path):
 def test_measuring_the_peak_leaves_the_global_rng_alone():
     """The first run on a machine measures the peak (a matmul of random matrices), later runs
     read it from the cache: the RNG state a run seeds and saves in its checkpoints must not
-    depend on which of the two it was (tests/test_async_save.py compares a run's saved bytes)."""
+    depend on which of the two it was (tests/checkpoint/test_async_save.py compares a run's saved bytes)."""
     import torch
 
     from llama_train.engine.flops import measure_matmul_flops

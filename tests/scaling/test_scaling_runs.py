@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, TINY, compose_cfg, launcher_cmd, run
+from helpers import REPO, TINY, WORKERS, compose_cfg, launcher_cmd, run
 from llama_train.config import resolve_batch
 from llama_train.job.preflight import plan_experiment
 from llama_train.records import RunInfo
@@ -32,7 +32,7 @@ def test_experiment_sets_shape_and_steps(experiment, extra):
             else inference_optimal(3e14, 1e9, fit="sardana"))
     n = count_params(cfg.model)[cfg.scaling.count]  # the yaml's: non_embedding at CPU scale
     assert abs(n - plan["n_params"]) / plan["n_params"] < cfg.scaling.tolerance
-    assert exp.shape_params == n  # D is sized for the built shape (tests/test_scaling.py)
+    assert exp.shape_params == n  # D is sized for the built shape (tests/scaling/test_scaling.py)
     tokens_per_step = resolve_batch(cfg.trainer, 1).tokens_per_step
     assert cfg.trainer.max_steps == math.ceil(exp.n_tokens / tokens_per_step)
     assert cfg.optim.warmup_steps <= cfg.trainer.max_steps
@@ -91,7 +91,7 @@ def test_model_info_matches_deepspeed_optimizer_bytes(tmp_path):
     log = tmp_path / "zero_memory.log"
     cmd = launcher_cmd([], nprocs=2)
     i = cmd.index("--module")
-    cmd = cmd[:i] + [str(REPO / "tests" / "workers" / "zero_memory_worker.py")]
+    cmd = cmd[:i] + [str(WORKERS / "zero_memory_worker.py")]
     run(cmd, log, timeout=300, warm=True)
     # both ranks print to one stream, so their lines can interleave: pick the objects out
     import re

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "llama_train"
+PACKAGE = Path(__file__).resolve().parents[2] / "llama_train"  # tests/system/ -> the repo
 
 # old module (llama_train.<old>) -> where it lives now
 MOVED = {

@@ -15,7 +15,7 @@ Through the launcher (slow): hpZ = 2 on a two-"node" CPU job (``launch/local_two
   over all ranks is unchanged. A resume from its step-2 checkpoint is bit-identical, and the
   checkpoint (ZeRO-3's partitions over all 4 ranks: hpZ's copy is not saved) loads under plain
   ZeRO-3 on 2 ranks through DeepSpeed's universal conversion, within the 2e-4 that any world
-  size change costs (gradients summed in another order: tests/test_zero3.py). Its traffic is
+  size change costs (gradients summed in another order: tests/engine/test_zero3.py). Its traffic is
   counted (``comm.count_traffic=true``): every rank's step 3 equals
   ``scaling.traffic.planned_traffic``'s hpZ plan byte for byte per phase, kind and group size
   (the forward all-gather over the 4 ranks, the backward's within the node of 2).

@@ -275,7 +275,7 @@ TABLE: List[Tuple[str, object]] = [
     ("llama-train model=llama2_70b deepspeed.zero_stage=3 deepspeed.precision=bf16 "
      "comm.simulate_ranks=512 trainer.max_steps=2",
      Needs("hours", "building one rank of 70B draws all 6.9e10 initial values: 603 s on 2 CPU "
-                    "cores (docs/benchmarks-scale.md); tests/test_simulate.py simulates 64 and "
+                    "cores (docs/benchmarks-scale.md); tests/job/test_simulate.py simulates 64 and "
                     "512 ranks of smaller models")),
     ("llama-train experiment=compute_optimal scaling.flops=3e12 trainer.dry_run=true",
      Run(expect="dry run")),
@@ -284,7 +284,7 @@ TABLE: List[Tuple[str, object]] = [
     ("llama-train experiment=compute_optimal scaling.flops=3e12",
      Run(f"{STEPS} trainer.steps_this_run=2 trainer.output_dir=outputs/compute_optimal")),
     ("make scaling-demo", Needs("hours", "~5.5 h of training on 2 cores; each stage runs in "
-                                         "tests/test_scaling_study.py")),
+                                         "tests/scaling/test_scaling_study.py")),
     ("llama-export outputs/llama-train/checkpoints out/hf_model", Run()),
     ('llama-generate outputs/llama-train --prompt "The" --max-new-tokens 64',
      Run("--max-new-tokens 4", expect="new tokens")),
@@ -332,7 +332,7 @@ TABLE: List[Tuple[str, object]] = [
      "trainer.save_every=1000 sample.tokens=8 tracking.wandb.mode=disabled data.num_proc=1 "
      "trainer.output_dir=/tmp/heap/big",
      Needs("hours", "8 CPU ranks of a 300M-parameter model: ~30 GB of host memory and minutes "
-                    "per step on 2 cores; tests/test_bench.py measures the same at tiny size")),
+                    "per step on 2 cores; tests/bench/test_bench.py measures the same at tiny size")),
     # ---- docs/benchmarks-scale.md
     ("DS_ACCELERATOR=cpu llama-train model=llama3_8b deepspeed.zero_stage=3 "
      "deepspeed.precision=bf16 comm.simulate_ranks=64 trainer.seq_len=16 trainer.micro_batch=1 "
@@ -385,7 +385,7 @@ TABLE: List[Tuple[str, object]] = [
      "bench_8b_layers_eager,bench_8b_layers_fp8_eager,bench_8b_layers_compiled,"
      "bench_8b_layers_fp8_compiled,fp8_loss_8b_layers",
      Needs("a GPU", "an H100/H200-class GPU (FP8 matmuls need sm_89+), ~15 minutes; without "
-                    "one the check says it skipped (tests/test_gpu_check.py)")),
+                    "one the check says it skipped (tests/bench/test_gpu_check.py)")),
     ("bash launch/gpu_bundle.sh", Needs("the network", "downloads wheels from the package index "
                                                      "into .whl/ (~17 s)")),
     # ---- docs/data.md
@@ -398,16 +398,16 @@ TABLE: List[Tuple[str, object]] = [
      Run("--vocab-size 512 --max-documents 300")),
     ("llama-data info ~/.cache/llama_train/builtin-<hash> --verify",
      Needs("a template", "<hash>: the directory llama-data prepare printed; "
-                         "tests/test_data_prepare.py runs llama-data info --verify")),
-    (".venv/bin/pytest -q tests/test_data_prepare.py tests/test_data_loader.py "
-     "tests/test_data_multiproc.py", SELF),
+                         "tests/data/test_data_prepare.py runs llama-data info --verify")),
+    (".venv/bin/pytest -q tests/data/test_data_prepare.py tests/data/test_data_loader.py "
+     "tests/data/test_data_multiproc.py", SELF),
     ("PYTHONPATH=$PWD .venv/bin/python - <<'PY'",
      Needs("a template", "a benchmark's reproduction against an old worktree (writes 100 MB)")),
     # ---- docs/launch.md
     ("deepspeed --num_gpus 8 --module llama_train.train trainer.output_dir=outputs/run1 "
      "deepspeed.zero_stage=2", GPU8),
     ("DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module llama_train.train ...",
-     Needs("a template", "...: your overrides; the same launch runs in tests/test_launcher_runs.py")),
+     Needs("a template", "...: your overrides; the same launch runs in tests/system/test_launcher_runs.py")),
     ("HOSTFILE=launch/hostfile launch/multinode.sh trainer.output_dir=/shared/runs/run1 "
      "deepspeed.zero_stage=2", Needs("a cluster", "the nodes of launch/hostfile, by ssh")),
     ("sbatch --nodes=4 launch/slurm.sbatch trainer.output_dir=/shared/runs/run1 "
@@ -440,7 +440,7 @@ TABLE: List[Tuple[str, object]] = [
      "deepspeed=zero3 deepspeed.zeropp.hpz_partition_size=8 "
      "deepspeed.zeropp.quantized_weights=true deepspeed.zeropp.quantized_gradients=true",
      Needs("a cluster", "GPU nodes of 8 (qwZ and qgZ run DeepSpeed's CUDA quantizer; qgZ acts "
-                        "only across nodes); tests/test_zeropp.py refuses them on CPU")),
+                        "only across nodes); tests/engine/test_zeropp.py refuses them on CPU")),
     # ---- docs/long-context.md (its llama-export line: the README's, above)
     ("llama-plan model-info --model llama3_1_8b --zero-stage 3 --world-size 64 --seq-len 32768 "
      "--activation-checkpointing --sequence-parallel 8",
@@ -474,7 +474,7 @@ TABLE: List[Tuple[str, object]] = [
      "--batch-size 16", Run("--limit 4", expect="my_task")),
     # ---- docs/reliability.md
     ("python launch/fault_inject.py --trials 20 --nprocs 2 --workdir /tmp/drill -- <overrides>",
-     Needs("a template", "<overrides>: your run's; the drill runs in tests/test_reliability.py")),
+     Needs("a template", "<overrides>: your run's; the drill runs in tests/system/test_reliability.py")),
     ("export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1", Run()),
     ("export LLAMA_TRAIN_FAULTS='nan:batch=3;nan:batch=6;nan:batch=7;loss_scale:batch=9,"
      "factor=1000'", Run()),
@@ -482,20 +482,20 @@ TABLE: List[Tuple[str, object]] = [
      "trainer.eval_every=1000 deepspeed.zero_stage=2 trainer.max_steps=24 trainer.save_every=2 "
      "trainer.keep_last=3 recovery.max_bad_steps=2 recovery.spike_factor=3 "
      "recovery.spike_warmup_steps=2",
-     Needs("hours", "20 kills and resumes (~40 launches); tests/test_reliability.py runs the drill "
+     Needs("hours", "20 kills and resumes (~40 launches); tests/system/test_reliability.py runs the drill "
                     "with 3")),
     ('export LLAMA_TRAIN_FAULTS="$LLAMA_TRAIN_FAULTS;nan:batch=30"', Run()),
     ("python launch/fault_inject.py --trials 20 --seed 11 --workdir /tmp/drill-z0 -- $T "
      "trainer.eval_every=10 deepspeed.zero_stage=0 trainer.max_steps=48 trainer.save_every=3 "
      "trainer.keep_last=2 recovery.max_bad_steps=2 recovery.spike_factor=3 "
      "recovery.spike_warmup_steps=2",
-     Needs("hours", "20 kills and resumes (~40 launches); tests/test_reliability.py runs the drill "
+     Needs("hours", "20 kills and resumes (~40 launches); tests/system/test_reliability.py runs the drill "
                     "with 3")),
-    (".venv/bin/pytest tests/test_reliability.py -q", SELF),
-    (".venv/bin/pytest tests/test_integrity.py -q", SELF),
-    (".venv/bin/pytest tests/test_bad_inputs.py tests/test_checkpoint_holes.py "
-     "tests/test_data_holes.py -q", SELF),
-    (".venv/bin/pytest tests/test_launcher_runs.py -k killed_launcher -q", SELF),
+    (".venv/bin/pytest tests/system/test_reliability.py -q", SELF),
+    (".venv/bin/pytest tests/job/test_integrity.py -q", SELF),
+    (".venv/bin/pytest tests/job/test_bad_inputs.py tests/checkpoint/test_checkpoint_holes.py "
+     "tests/data/test_data_holes.py -q", SELF),
+    (".venv/bin/pytest tests/system/test_launcher_runs.py -k killed_launcher -q", SELF),
     # ---- docs/scaling-fits.md
     ("llama-plan fit outputs/sweep --out isoflops.png", SWEEP),
     ("llama-plan fit outputs/sweep --csv runs.csv", SWEEP),
@@ -554,7 +554,7 @@ TABLE: List[Tuple[str, object]] = [
      Needs("the network", "uploads offline runs to a W&B server")),
     ("tensorboard --logdir outputs/llama-train/tensorboard",
      Needs("a template", "a server that runs until stopped; the event files it reads are "
-                         "checked in tests/test_tracking.py")),
+                         "checked in tests/metrics/test_tracking.py")),
     ("tensorboard --logdir outputs/", Needs("a template", "a server that runs until stopped")),
     ("tensorboard --logdir outputs/ --load_fast=false",
      Needs("a template", "a server that runs until stopped")),

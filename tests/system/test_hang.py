@@ -29,14 +29,14 @@ from typing import Optional
 import psutil
 import pytest
 
-from helpers import (BIN, TINY, dump_stacks, free_port, launcher_cmd, rank_pid, spawn, tail,
-                     train, wait_for)
+from helpers import (BIN, TINY, WORKERS, dump_stacks, free_port, launcher_cmd, rank_pid, spawn,
+                     tail, train, wait_for)
 from llama_train.records import parse_line
 
 TIMEOUT_S = 10
 BUDGET_S = TIMEOUT_S + 30
 PARALLEL = int(os.environ.get("LLAMA_TRAIN_HANG_PARALLEL", "4"))
-WORKER = Path(__file__).resolve().parent / "workers" / "hang_worker.py"
+WORKER = WORKERS / "hang_worker.py"
 
 
 @dataclass(frozen=True)

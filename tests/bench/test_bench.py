@@ -1,6 +1,6 @@
 """`llama-bench train`, `memory`, `startup` and `checkpoint`: options, the pieces they are built
 from, and the memory advice on real ranks (speed thresholds belong to benchmarks, not tests).
-Their documented commands run, with their reports checked, in tests/test_docs_commands.py."""
+Their documented commands run, with their reports checked, in tests/system/test_docs_commands.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from llama_train.bench._memory_worker import classify
 
 
 # `llama-bench train` (the A/B report: ours against Hugging Face in lock step, consistent
-# figures) runs as docs/benchmarks-train.md writes it: tests/test_docs_commands.py.
+# figures) runs as docs/benchmarks-train.md writes it: tests/system/test_docs_commands.py.
 
 
 def test_train_bench_rejects_bad_options(capsys):
@@ -209,7 +209,7 @@ def test_storage_paths_are_classified():
 
 
 # `llama-bench memory --preset tiny ... --stages 3 --precision fp32` (ZeRO-3's optimizer state
-# within 10% of the planner's) runs as documented: tests/test_docs_commands.py.
+# within 10% of the planner's) runs as documented: tests/system/test_docs_commands.py.
 
 
 def test_memory_bench_skips_what_cannot_fit(monkeypatch, capsys):
@@ -305,7 +305,7 @@ def test_cross_entropy_matches_torch_in_value_and_gradient():
 
 def test_startup_bench_options(tmp_path):
     """The bench times the tests' tiny run and refuses bad options; its run is checked where
-    docs/benchmarks-startup.md's command runs (tests/test_docs_commands.py)."""
+    docs/benchmarks-startup.md's command runs (tests/system/test_docs_commands.py)."""
     from helpers import TINY as TEST_TINY
 
     from llama_train.bench import startup
@@ -318,7 +318,7 @@ def test_startup_bench_options(tmp_path):
 
 
 # `llama-bench checkpoint` (blocked and durable seconds of each save, from real records) runs
-# as documented in docs/benchmarks-checkpoint.md: tests/test_docs_commands.py.
+# as documented in docs/benchmarks-checkpoint.md: tests/system/test_docs_commands.py.
 
 
 def test_train_bench_json_keeps_the_old_peak_keys_with_a_deprecation_note():

@@ -3,7 +3,7 @@
 CPU has no FP8 matmuls: every run here sets ``float8.emulate=true`` (torchao casts to float8
 e4m3 with dynamic scales and back, then multiplies in high precision), so what is tested is the
 numerics and the plumbing (conversion, ZeRO-3, checkpoints, resume, export, refusals), never
-the speed. One rank in this process (conftest's one_rank), as tests/test_loop.py.
+the speed. One rank in this process (conftest's one_rank), as tests/job/test_loop.py.
 """
 
 from __future__ import annotations

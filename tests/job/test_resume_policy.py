@@ -30,7 +30,7 @@ MAY_CHANGE = {
     "model.activation_checkpointing", "model.loss_chunk_tokens",
     "deepspeed.stage3_max_live_parameters", "deepspeed.stage3_max_reuse_distance",
     "deepspeed.sub_group_size", "deepspeed.extra",
-    # ZeRO++ changes who sends what, never the checkpoint (tests/test_zeropp.py)
+    # ZeRO++ changes who sends what, never the checkpoint (tests/engine/test_zeropp.py)
     "deepspeed.zeropp.hpz_partition_size", "deepspeed.zeropp.quantized_weights",
     "deepspeed.zeropp.quantized_gradients",
 }

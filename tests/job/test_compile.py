@@ -15,7 +15,7 @@ residual adds, RoPE) and may reorder its reductions, so each step's numbers diff
 bits (~1e-7 relative) and the difference grows through 10 optimizer steps; measured at most
 4.8e-7 on the loss here, so 1e-4 (absolute, on losses ~7.6) catches a wrong gradient or a missed
 parameter gather by orders of magnitude while not failing on rounding. Sequence parallelism
-also sums gradients in another order than two data-parallel ranks (tests/test_launcher_runs.py's
+also sums gradients in another order than two data-parallel ranks (tests/system/test_launcher_runs.py's
 2e-4), so that comparison gets 2e-4 + 1e-4. A resume of the compiled run on the same ranks
 runs the same kernels (the same code, from the inductor cache) on the same data: bit-identical.
 FP8 emulated in bf16: 1e-2 on the loss (bf16's 8-bit mantissa; a scale rounded differently

@@ -23,8 +23,8 @@ from llama_train.checkpoint import find_latest, load_consolidated, verify, write
 pytestmark = pytest.mark.slow
 
 # Exact resume after a clean stop (trainer.steps_this_run) and the fallback past a truncated
-# checkpoint are in the in-process tier (tests/test_loop.py), W&B's run continuity in
-# tests/test_tracking.py; kill -9 of the whole job is tests/test_reliability.py's drill (three
+# checkpoint are in the in-process tier (tests/job/test_loop.py), W&B's run continuity in
+# tests/metrics/test_tracking.py; kill -9 of the whole job is tests/system/test_reliability.py's drill (three
 # kills, in steps and in saves, bit-identical losses and weights). Here: what needs the launcher.
 # Saves are asynchronous (trainer.async_save, the default) in every run here: the resharding
 # and export below read checkpoints written in the background.

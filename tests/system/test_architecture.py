@@ -19,7 +19,8 @@ from typing import Dict, FrozenSet, List, Optional, Set
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "llama_train"
+# tests/system/ -> the repo (not helpers.REPO: this file imports nothing of the package)
+PACKAGE = Path(__file__).resolve().parents[2] / "llama_train"
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 # Import cycles between modules of files this change could not touch (name sets of a strongly
@@ -243,7 +244,7 @@ def test_dependencies_point_down(mods):
 
 
 # The top level (docs/architecture.md's table of packages): the entry point, the foundations and
-# the import hook of the old paths (llama_train._moved; tests/test_old_paths.py checks each one at
+# the import hook of the old paths (llama_train._moved; tests/system/test_old_paths.py checks each one at
 # run time). Nothing else: the modules of the job, the model, ... live in their packages.
 TOP_LEVEL = {"train", "_moved", "errors", "paths", "util", "proc", "records", "layout", "bounds",
              "policy", "hooks", "watchdog"}
@@ -414,3 +415,31 @@ def test_the_entry_point_and_config_import_no_torch():
             "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# tests/ mirrors the package (docs/architecture.md, "Tests"): a test file lives in the directory of
+# the package it tests, or in system/ (whole-system runs across components, checks of the repo as
+# a whole, the entry point and the foundations across every command); tests/ itself holds only
+# what they share. pytest imports each file by its basename (no __init__.py: "prepend" mode puts
+# its directory on sys.path), so basenames are unique.
+TESTS = PACKAGE.parent / "tests"
+TEST_DIRS = PACKAGES | {"system"}
+SHARED = {"conftest.py", "helpers.py", "warm_ranks.py", "bench_warm_ranks.py"}  # tests/ itself
+SHARED_DIRS = {"workers"}  # scripts the tests start, not tests
+
+
+def test_tests_mirror_the_package():
+    files = sorted(p.relative_to(TESTS) for p in TESTS.rglob("*.py")
+                   if not set(p.relative_to(TESTS).parts) & (SHARED_DIRS | {"__pycache__"}))
+    tests = [p for p in files if p.name.startswith("test_")]
+    misplaced = [str(p) for p in tests if len(p.parts) != 2 or p.parts[0] not in TEST_DIRS]
+    assert not misplaced, (f"test files outside tests/<package>/ ({sorted(TEST_DIRS)}): move each into "
+                           f"the directory of the package it tests, or system/:\n  " + "\n  ".join(misplaced))
+    others = sorted(str(p) for p in files if not p.name.startswith("test_"))
+    assert others == sorted(SHARED), f"tests/ holds {others}: tests are test_*.py in tests/<package>/"
+    names = [p.name for p in tests]
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
+    dirs = {p.name for p in TESTS.iterdir() if p.is_dir() and any(p.rglob("*.py"))}
+    assert dirs == TEST_DIRS | SHARED_DIRS, sorted(dirs ^ (TEST_DIRS | SHARED_DIRS))
+    documented = set(re.findall(r"`tests/(\w+)/`", ARCHITECTURE.read_text()))
+    assert documented >= TEST_DIRS, f"docs/architecture.md's Tests lacks {sorted(TEST_DIRS - documented)}"

@@ -3,7 +3,7 @@ loop blocks only for the copy to host memory, the files are those a synchronous 
 the loop trains on while a slow write is in flight, the next save waits for it (at most one in
 flight), and a write that fails stops the run at the next save. Kill -9 during a background
 write, a rank lost in one, and the same checks across 2 ranks under ZeRO-2 and ZeRO-3 go through
-the launcher: tests/test_checkpoint.py and tests/test_zero3.py.
+the launcher: tests/checkpoint/test_checkpoint.py and tests/engine/test_zero3.py.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (REPO, TINY, _env, launcher_cmd, losses, losses_so_far, metrics, rank_pid,
-                     spawn, tail, tiny_prepared, train, wait_for)
+from helpers import (REPO, TINY, WORKERS, _env, launcher_cmd, losses, losses_so_far, metrics,
+                     rank_pid, spawn, tail, tiny_prepared, train, wait_for)
 from llama_train.checkpoint import find_latest, load_consolidated, read_state
 
 FAULTS = "nan:batch=3;nan:batch=6;nan:batch=7;loss_scale:batch=9,factor=1000"
@@ -323,7 +323,7 @@ def ckpt_faults(tmp_path_factory):
     from helpers import free_port
 
     work = tmp_path_factory.mktemp("ckpt_faults")
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "fault_ckpt_worker.py"),
+    proc = subprocess.run([sys.executable, str(WORKERS / "fault_ckpt_worker.py"),
                            str(work), str(free_port())], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=300)
     for m in (work / "tmpfs", work / "readonly"):  # never leave a mount behind
@@ -493,7 +493,7 @@ def test_launched_job_refuses_truncated_data(bad_inputs, runs):
 
 def test_out_of_range_token_ids_never_reach_the_model(prepared):
     """The training loop's last guard, for token ids no checksum covers (a shard changed on
-    disk is refused by its checksum first: tests/test_data_loader.py): a batch with ids outside
+    disk is refused by its checksum first: tests/data/test_data_loader.py): a batch with ids outside
     the vocabulary is refused before the forward pass."""
     import torch
 

@@ -13,10 +13,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from helpers import BIN, REPO
+if __name__ == "__main__":  # run as a script (gloo_check): helpers is in tests/, a level up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import BIN, REPO  # noqa: E402
 from llama_train.scaling.cli import main
 from llama_train.scaling.steptime import (DATASHEET_PEAK, recommend, ring_time, step_time)
 from llama_train.scaling.traffic import planned_traffic
@@ -142,7 +145,7 @@ def gloo_check(nprocs: int, tmp_path) -> dict:
     load 10-18 two runs of the same check differed 3x in B and 10x in the ratios (see
     docs/scale-out.md), so no tolerance would be both honest and stable here.
 
-        .venv/bin/python tests/test_steptime.py 2 4
+        .venv/bin/python tests/scaling/test_steptime.py 2 4
     """
     b = _busbw(nprocs, tmp_path) * 1e9
     measured = _timed_collectives(nprocs, tmp_path)
@@ -154,9 +157,7 @@ def gloo_check(nprocs: int, tmp_path) -> dict:
 
 if __name__ == "__main__":
     import tempfile
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent))
     for n in [int(a) for a in sys.argv[1:]] or [2, 4]:
         with tempfile.TemporaryDirectory() as d:
             print(json.dumps(gloo_check(n, Path(d))))

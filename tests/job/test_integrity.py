@@ -1,7 +1,7 @@
 """One output_dir, one history (issue 12): corrupt checkpoints, resume=never in a used directory,
 two jobs on one directory, resuming under another config (docs/reliability.md, section 7).
 
-In-process tier (a world of one, as tests/test_loop.py) for the decisions; the launcher for
+In-process tier (a world of one, as tests/job/test_loop.py) for the decisions; the launcher for
 what needs ranks: a second 2-rank job refused while the first runs, a kill -9'd holder's lock
 taken over, and all ranks exiting 3 when no checkpoint verifies.
 """

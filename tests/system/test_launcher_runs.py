@@ -105,7 +105,7 @@ def test_one_launch_runs_every_job_of_a_sweep(sweep, runs):
 def test_zero_stages_agree(stage, baseline, sweep, request):
     """Same trajectory at every stage; step 1 (before any update) shows that every stage starts
     from the same weights, ZeRO-3's built partitioned: equal up to the order of the loss sum.
-    (ZeRO-3: conftest.py's zero3_run, which tests/test_zero3.py resumes and reshards; the others
+    (ZeRO-3: conftest.py's zero3_run, which tests/engine/test_zero3.py resumes and reshards; the others
     are jobs of one --multirun launch, after the baseline in the same processes.)"""
     out = request.getfixturevalue("zero3_run") if stage == 3 else sweep[stage, 2]
     _close(losses(out), losses(baseline))
@@ -163,7 +163,7 @@ MATRIX = [
       "trainer.global_batch=4"], TOL),
     (["deepspeed.zero_stage=1", "deepspeed.precision=bf16"], 2e-2),
 ]
-# ZeRO-3 with parameter and optimizer offload: tests/test_zero3.py.
+# ZeRO-3 with parameter and optimizer offload: tests/engine/test_zero3.py.
 
 
 @pytest.mark.parametrize("overrides,tol", MATRIX, ids=["zero3-actckpt-accum2", "zero1-bf16"])

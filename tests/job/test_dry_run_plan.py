@@ -2,7 +2,7 @@
 resume's kept global batch is the batch they print and the run trains (they printed the
 config's micro_batch x ranks, which the resume then replaced), and float8 on a machine without
 FP8 matmuls is planned, its device left to the launch, which still refuses it. (init_from's
-tokenizer: tests/test_init_from_tokenizer.py.)"""
+tokenizer: tests/hf/test_init_from_tokenizer.py.)"""
 
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from llama_train.bench import allreduce as bench
 from llama_train.comm import CommConfig, apply_env, configure_backend, normalize_nccl_algo, ring_all_reduce
-from helpers import BIN, REPO, free_port
+from helpers import BIN, REPO, WORKERS, free_port
 
-WORKER = REPO / "tests" / "workers" / "comm_worker.py"
+WORKER = WORKERS / "comm_worker.py"
 LAUNCH = REPO / "launch"
 NCCL_VARS = ("NCCL_ALGO", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE")
 LAUNCH_TIMEOUT_S = 240  # normally 10-25 s; a first DeepSpeed CPU comm-op JIT build adds ~60 s
@@ -274,7 +274,7 @@ def test_ring_matches_all_reduce_three_ranks():
 
 
 # launch/local_two_nodes.sh with the ring check (ENTRY=tests/workers/comm_worker.py) runs as
-# docs/launch.md writes it: tests/test_docs_commands.py.
+# docs/launch.md writes it: tests/system/test_docs_commands.py.
 
 
 @pytest.mark.slow

@@ -12,11 +12,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from helpers import TINY, run_main
+from helpers import REPO, TINY, run_main
 from llama_train import train as train_mod
 from llama_train.errors import BadInput, ConfigError
 
@@ -219,7 +218,7 @@ t.cli()
 def test_the_command_exits_2_for_bad_input_and_1_with_a_traceback_for_a_bug(exc, code,
                                                                              tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+        [str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.pop("HYDRA_FULL_ERROR", None)
     out = subprocess.run([sys.executable, "-c", _CLI.format(exc=exc), *TINY,
                           f"trainer.output_dir={tmp_path / 'run'}"],

@@ -4,7 +4,7 @@
 (``comm.simulate_ranks``, MirrorGroup counting what it is asked) and real gloo launches
 (``comm.count_traffic=true``, our wrapper around torch.distributed) count it; the three agree
 byte for byte per (phase, kind, group size) at ZeRO-1, 2 and 3, and with ZeRO++'s hpZ (a simulated
-rank here; the real two-"node" launch in tests/test_zeropp.py). Sequence parallelism cannot be
+rank here; the real two-"node" launch in tests/engine/test_zeropp.py). Sequence parallelism cannot be
 simulated (refused with comm.simulate_ranks), so there the plan meets the real launch alone.
 """
 
