@@ -26,7 +26,7 @@ from llama_train.layout import ParallelLayout
 
 log = logging.getLogger("llama_train")
 
-SCOPES = ("check", "config", "layout", "preview", "run")
+SCOPES = ("check", "layout", "preview", "run")
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,6 @@ def plan_job(cfg: Config, rt: Any, scope: str = "run") -> JobPlan:
       ``JobPlan.deferred`` for the caller to show, and the launch still refuses (the dry run,
       ``--cfg job``: they show what the run would train, the resume's kept batch and
       init_from's tokenizer included). Reads the same files as ``"run"``, writes nothing.
-    - ``"config"``: the layout, the experiment's plan and the batch of the config alone, no
-      files read (no caller in the package: the dry run asked it before ``"preview"``).
     - ``"check"``: the layout and the batch of the config as composed (a --multirun sweep's
       check of each job, before any job's experiment, data or output dir exists).
     - ``"layout"``: the layout and the batch alone (``config.parallel_layout``, its refusals

@@ -29,6 +29,7 @@ def _cfg_job(overrides, capsys) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.slow  # two real runs in this process: ~20 s, too long for make test-fast's tier
 def test_a_resumes_dry_run_prints_the_batch_it_keeps_and_the_run_trains_it(tmp_path, capsys):
     """A checkpoint trained with a global batch of 8 (micro 4 x accum 2) in trainer.output_dir:
     the same command without trainer.global_batch resumes with 8 (the data order is a function

@@ -130,8 +130,8 @@ def test_plan_job_is_deterministic_and_frozen():
     cfg = compose_cfg(["model=tiny", "parallel.sequence=2", "trainer.micro_batch=2",
                        "trainer.seq_len=64", "trainer.global_batch=8"])
     rt = Runtime("cpu", 3, 1, 4, 2)
-    job = plan_job(cfg, rt, scope="config")
-    assert isinstance(job, JobPlan) and job == plan_job(cfg, rt, scope="config")
+    job = plan_job(cfg, rt, scope="check")
+    assert isinstance(job, JobPlan) and job == plan_job(cfg, rt, scope="check")
     assert job.layout == ParallelLayout(4, 3, 2) and job.runtime is rt
     assert job.batch == validate(cfg, 4, "cpu") == BatchPlan(2, 2, 2, 8, 64)
     assert job.batch.world_size == job.layout.data_parallel
