@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 from .errors import DataError
 
@@ -424,11 +424,7 @@ def train_tokenizer(
 
     import sentencepiece as spm
 
-    if vocab_size < 260:
-        raise DataError(
-            f"vocab_size={vocab_size} is too small: byte fallback needs 256 byte pieces + "
-            "<unk>, <s>, </s>; use vocab_size >= 512"
-        )
+    _check_vocab_size(vocab_size)
     prefix = str(model_prefix)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     counted = {"sentences": 0, "all_read": False}
@@ -450,7 +446,39 @@ def train_tokenizer(
             raise
 
     t0 = time.perf_counter()
+    spm.set_random_generator_seed(seed)
+    writer = io.BytesIO()
+    try:
+        with _Progress(_progress_line(source, vocab_size, counted, t0)):
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=sentences(), model_writer=writer, vocab_size=vocab_size,
+                num_threads=num_threads or os.cpu_count() or 1,
+                max_sentence_length=max_line_bytes, **_TRAINER_SETTINGS)
+    except RuntimeError as e:
+        _raise_training_failure(e, source_error, long, source, vocab_size, counted["sentences"])
+    if long.skipped:
+        log.warning("tokenizer training on %s left out %d of %d lines (%s bytes) longer than "
+                    "data.tokenizer_max_line_bytes=%d (%s): to train on them, %s", source,
+                    long.skipped, long.lines, f"{long.skipped_bytes:,}", max_line_bytes,
+                    long.say(), long.fix())
+    path = _write_model(prefix, writer.getvalue())
+    # no path: it is usually a temporary directory; the caller names the final one
+    log.info("trained a %d-piece tokenizer on %d lines in %.1f s", vocab_size,
+             counted["sentences"], time.perf_counter() - t0)
+    return path
 
+
+def _check_vocab_size(vocab_size: int) -> None:
+    """Refuse a vocabulary too small for byte fallback before any text is read."""
+    if vocab_size < 260:
+        raise DataError(
+            f"vocab_size={vocab_size} is too small: byte fallback needs 256 byte pieces + "
+            "<unk>, <s>, </s>; use vocab_size >= 512"
+        )
+
+
+def _progress_line(source: str, vocab_size: int, counted: dict, t0: float):
+    """The line :class:`_Progress` logs while training runs: what stage it is in, so far."""
     def progress() -> str:
         n, s = counted["sentences"], time.perf_counter() - t0
         if not n:
@@ -460,36 +488,29 @@ def train_tokenizer(
         return (f"tokenizer training on {source}: learning {vocab_size:,} pieces from {n:,} "
                 f"lines ({s:.0f} s)")
 
-    spm.set_random_generator_seed(seed)
-    writer = io.BytesIO()
-    try:
-        with _Progress(progress):
-            spm.SentencePieceTrainer.train(
-                sentence_iterator=sentences(), model_writer=writer, vocab_size=vocab_size,
-                num_threads=num_threads or os.cpu_count() or 1,
-                max_sentence_length=max_line_bytes, **_TRAINER_SETTINGS)
-    except RuntimeError as e:
-        if source_error:
-            raise source_error[0] from None
-        if long.skipped and long.skipped == long.lines:
-            raise DataError(
-                f"cannot train a tokenizer on {source}: all {long.lines} of its non-empty lines "
-                f"are longer than data.tokenizer_max_line_bytes={max_line_bytes}, the longest "
-                f"line a tokenizer is trained on ({long.say()}): {long.fix()}") from None
-        raise _training_error(e, vocab_size, counted["sentences"], long) from e
-    if long.skipped:
-        log.warning("tokenizer training on %s left out %d of %d lines (%s bytes) longer than "
-                    "data.tokenizer_max_line_bytes=%d (%s): to train on them, %s", source,
-                    long.skipped, long.lines, f"{long.skipped_bytes:,}", max_line_bytes,
-                    long.say(), long.fix())
+    return progress
+
+
+def _raise_training_failure(e: RuntimeError, source_error: list, long: "_LongLines",
+                            source: str, vocab_size: int, sentences: int) -> NoReturn:
+    """Raise what SentencePiece's RuntimeError ``e`` stands for (call it in the ``except``)."""
+    if source_error:
+        raise source_error[0] from None
+    if long.skipped and long.skipped == long.lines:
+        raise DataError(
+            f"cannot train a tokenizer on {source}: all {long.lines} of its non-empty lines "
+            f"are longer than data.tokenizer_max_line_bytes={long.max_bytes}, the longest "
+            f"line a tokenizer is trained on ({long.say()}): {long.fix()}") from None
+    raise _training_error(e, vocab_size, sentences, long) from e
+
+
+def _write_model(prefix: str, model: bytes) -> str:
+    """Write the trained model, normalized, atomically to ``<prefix>.model``; returns its path."""
     path = prefix + ".model"
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
-        f.write(_normalized_model(writer.getvalue()))
+        f.write(_normalized_model(model))
     os.replace(tmp, path)
-    # no path: it is usually a temporary directory; the caller names the final one
-    log.info("trained a %d-piece tokenizer on %d lines in %.1f s", vocab_size,
-             counted["sentences"], time.perf_counter() - t0)
     return path
 
 
