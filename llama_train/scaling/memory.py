@@ -118,20 +118,8 @@ def model_memory(
     if master_copy is None:
         master_copy = p != 4 or zero_stage >= 1
     psi = count_params(args)["total"]
-    master = 4.0 * psi if master_copy else 0.0
-    moments = 8.0 * psi  # fp32 exp_avg + exp_avg_sq
-    params = float(p * psi)
-    grads = float(p * psi)
-    if zero_stage >= 1:
-        master, moments = master / n, moments / n
-    if zero_stage >= 2:
-        grads /= n
-    if zero_stage >= 3:
-        params /= n
-    optim = master + moments
-    cpu = 0.0
-    if offload_optimizer:
-        cpu, optim = optim, 0.0
+    params, grads, master, moments, optim, cpu = _model_state_bytes(
+        p, psi, zero_stage, n, master_copy, offload_optimizer)
     secondary = p * psi / hpz_partition_size if hpz_partition_size > 1 else 0.0
     return {
         "params": params,
@@ -151,6 +139,26 @@ def model_memory(
         "hpz_partition_size": int(hpz_partition_size),
         "mics_shard_size": int(mics_shard_size),
     }
+
+
+def _model_state_bytes(p: int, psi: int, zero_stage: int, n: int, master_copy: bool,
+                       offload_optimizer: bool) -> tuple:
+    """model_memory's ZeRO partitioning on its own: (params, grads, master, moments, optim, cpu)."""
+    master = 4.0 * psi if master_copy else 0.0
+    moments = 8.0 * psi  # fp32 exp_avg + exp_avg_sq
+    params = float(p * psi)
+    grads = float(p * psi)
+    if zero_stage >= 1:
+        master, moments = master / n, moments / n
+    if zero_stage >= 2:
+        grads /= n
+    if zero_stage >= 3:
+        params /= n
+    optim = master + moments
+    cpu = 0.0
+    if offload_optimizer:
+        cpu, optim = optim, 0.0
+    return params, grads, master, moments, optim, cpu
 
 
 ACTIVATION_FORMULA = (
@@ -386,7 +394,40 @@ def rank_peak_memory(
     after the step and after a save, and cuts it again as forward releases each parameter);
     ``mics_shard_size`` M partitions the model states over M ranks instead of N (not measured:
     the installed DeepSpeed has no MiCS)."""
-    args = _resolve_args(args)
+    args, p, hpz_partition_size, mics_shard_size, shard = _rank_settings(
+        args, dtype, zero_stage, world_size, offload_optimizer, offload_params, device, ds,
+        hpz_partition_size, mics_shard_size)
+    sizes = _zero_sizes(args, ds, zero_overrides)
+    act = activation_memory(args, micro_batch, seq_len, dtype, activation_checkpointing, attention,
+                            sequence_parallel, loss_chunk_tokens)
+    acts = act["total"] + act["backward_transient"]  # backward's start (chunked: forward's end)
+    # MiCS: partitions and the reduce-scatter span the shard group (``shard``), not the world
+    t = _rank_terms(args, p, shard, sizes, acts, device == "cpu", offload_optimizer,
+                    device == "cpu" if gloo_copies is None else gloo_copies)
+    phases, peak, checkpoint = _rank_phases(t, p, zero_stage, hpz_partition_size,
+                                            offload_optimizer, offload_params)
+    return {
+        **peak,
+        "n_params": t.psi,
+        "bytes_per_param": peak["total"] / t.psi,
+        "zero_stage": zero_stage, "world_size": world_size, "dtype": dtype,
+        "micro_batch": micro_batch,
+        "hpz_partition_size": int(hpz_partition_size), "mics_shard_size": int(mics_shard_size),
+        "loss_chunk_tokens": act["loss_chunk_tokens"],
+        "seq_len": acts and activation_memory(args, micro_batch, seq_len, dtype)["seq_len"],
+        "offload_optimizer": bool(offload_optimizer), "offload_params": bool(offload_params),
+        "device_kind": device, "ds_buckets": sizes,
+        "phase_terms": {k: {term: float(b) for term, b in v.items()} for k, v in phases.items()},
+        "checkpoint_phases": {k: float(sum(v.values())) for k, v in checkpoint.items()},
+    }
+
+
+def _rank_settings(model: Union["ModelArgs", str, Path], dtype: str, zero_stage: int,
+                   world_size: int, offload_optimizer: bool, offload_params: bool, device: str,
+                   ds: Optional[Any], hpz_partition_size: Optional[int],
+                   mics_shard_size: Optional[int]) -> tuple:
+    """rank_peak_memory's checks and hpZ/MiCS defaults, apart: (args, p, hpz, mics, shard)."""
+    args = _resolve_args(model)
     p = _check_dtype(dtype)
     _check_zero(zero_stage, world_size, offload_optimizer)
     if hpz_partition_size is None:
@@ -398,13 +439,12 @@ def rank_peak_memory(
         raise ScalingError("offload_params needs ZeRO stage 3 (parameter offload exists only there)")
     if device not in ("cpu", "cuda"):
         raise ScalingError(f"device={device!r}: 'cpu' or 'cuda'")
-    sizes = _zero_sizes(args, ds, zero_overrides)
-    act = activation_memory(args, micro_batch, seq_len, dtype, activation_checkpointing, attention,
-                            sequence_parallel, loss_chunk_tokens)
-    acts = act["total"] + act["backward_transient"]  # backward's start (chunked: forward's end)
-    # MiCS: partitions and the reduce-scatter span the shard group (``shard``), not the world
-    t = _rank_terms(args, p, shard, sizes, acts, device == "cpu", offload_optimizer,
-                    device == "cpu" if gloo_copies is None else gloo_copies)
+    return args, p, hpz_partition_size, mics_shard_size, shard
+
+
+def _rank_phases(t: Any, p: int, zero_stage: int, hpz_partition_size: int,
+                 offload_optimizer: bool, offload_params: bool) -> tuple:
+    """rank_peak_memory's phases of ``t`` (hpZ's term added): (phases, peak, checkpoint)."""
     if hpz_partition_size > 1:
         t.hpz = p * t.psi / hpz_partition_size
     if zero_stage == 0:
@@ -414,22 +454,7 @@ def rank_peak_memory(
     else:
         phases, unpart = _zero3_phases(t)
     peak = _peak_of(phases, unpart, offload_optimizer, offload_params)
-    checkpoint = _checkpoint_phases(t, zero_stage)
-    return {
-        **peak,
-        "n_params": t.psi,
-        "bytes_per_param": peak["total"] / t.psi,
-        "zero_stage": zero_stage, "world_size": world_size, "dtype": dtype,
-        "micro_batch": micro_batch,
-        "hpz_partition_size": int(hpz_partition_size), "mics_shard_size": int(mics_shard_size),
-        "loss_chunk_tokens": act["loss_chunk_tokens"],
-        "seq_len": acts and activation_memory(args, micro_batch, seq_len, dtype)["seq_len"],
-        "offload_optimizer": bool(offload_optimizer), "offload_params": bool(offload_params),
-        "device_kind": device,
-        "ds_buckets": sizes,
-        "phase_terms": {k: {term: float(b) for term, b in v.items()} for k, v in phases.items()},
-        "checkpoint_phases": {k: float(sum(v.values())) for k, v in checkpoint.items()},
-    }
+    return phases, peak, _checkpoint_phases(t, zero_stage)
 
 
 def deepspeed_estimate(args: Union["ModelArgs", str, Path], zero_stage: int, world_size: int,
