@@ -143,26 +143,10 @@ def planned_traffic(
     ``bytes_per_kind``, ``bytes_per_phase``, ``total_bytes``, ``exact`` and the settings."""
     args = _resolve_args(model)
     p = _check_dtype(dtype)
-    n, a, sp = int(world_size), int(grad_accum), int(sequence_parallel)
-    if zero_stage not in (1, 2, 3):
-        raise ScalingError(f"zero_stage={zero_stage!r}: traffic is planned for ZeRO 1, 2 and 3")
-    if n < 1 or a < 1 or sp < 1 or n % sp:
-        raise ScalingError(f"world_size={world_size}, grad_accum={grad_accum}, sequence_parallel="
-                           f"{sequence_parallel}: positive integers, sequence_parallel dividing "
-                           f"world_size")
-    h, m, quantized_weights, quantized_gradients = _zeropp_settings(
-        ds, hpz_partition_size, mics_shard_size, quantized_weights, quantized_gradients)
-    extras = h > 1 or m > 0 or quantized_weights or quantized_gradients
-    # counted: ZeRO-1/2/3, sequence parallelism, hpZ; planned from the design: MiCS, qwZ, qgZ
-    exact = not (m > 0 or quantized_weights or quantized_gradients)
-    if extras and zero_stage != 3:
-        raise ScalingError("hpZ, MiCS, qwZ and qgZ partition ZeRO-3's weights: zero_stage=3")
-    for name, size in (("hpz_partition_size", h), ("mics_shard_size", m or 1)):
-        if size < 1 or n % size:
-            raise ScalingError(f"{name}={size} must divide world_size={n}")
-    if h > 1 and m:
-        raise ScalingError("hpZ and MiCS are alternatives: give one of hpz_partition_size, "
-                           "mics_shard_size")
+    n, a, sp = _check_ranks(zero_stage, world_size, grad_accum, sequence_parallel)
+    h, m, quantized_weights, quantized_gradients, exact = _check_zeropp(
+        zero_stage, n, ds, hpz_partition_size, mics_shard_size, quantized_weights,
+        quantized_gradients)
     g_node = int(gpus_per_node or n)
     from llama_train.model.args import count_params
 
@@ -189,6 +173,39 @@ def planned_traffic(
         "mics_shard_size": m, "quantized_weights": bool(quantized_weights),
         "quantized_gradients": bool(quantized_gradients), "formula": FORMULA,
     }
+
+
+def _check_ranks(zero_stage: int, world_size: int, grad_accum: int,
+                 sequence_parallel: int) -> Tuple[int, int, int]:
+    """planned_traffic's stage and rank-count checks, apart: (world_size, grad_accum, sp) ints."""
+    n, a, sp = int(world_size), int(grad_accum), int(sequence_parallel)
+    if zero_stage not in (1, 2, 3):
+        raise ScalingError(f"zero_stage={zero_stage!r}: traffic is planned for ZeRO 1, 2 and 3")
+    if n < 1 or a < 1 or sp < 1 or n % sp:
+        raise ScalingError(f"world_size={world_size}, grad_accum={grad_accum}, sequence_parallel="
+                           f"{sequence_parallel}: positive integers, sequence_parallel dividing "
+                           f"world_size")
+    return n, a, sp
+
+
+def _check_zeropp(zero_stage: int, n: int, ds: Optional[Any], hpz_partition_size: Optional[int],
+                  mics_shard_size: Optional[int], quantized_weights: Optional[bool],
+                  quantized_gradients: Optional[bool]) -> Tuple[int, int, bool, bool, bool]:
+    """planned_traffic's ZeRO++/MiCS settings checked, apart: (h, m, qwZ, qgZ, exact)."""
+    h, m, quantized_weights, quantized_gradients = _zeropp_settings(
+        ds, hpz_partition_size, mics_shard_size, quantized_weights, quantized_gradients)
+    extras = h > 1 or m > 0 or quantized_weights or quantized_gradients
+    # counted: ZeRO-1/2/3, sequence parallelism, hpZ; planned from the design: MiCS, qwZ, qgZ
+    exact = not (m > 0 or quantized_weights or quantized_gradients)
+    if extras and zero_stage != 3:
+        raise ScalingError("hpZ, MiCS, qwZ and qgZ partition ZeRO-3's weights: zero_stage=3")
+    for name, size in (("hpz_partition_size", h), ("mics_shard_size", m or 1)):
+        if size < 1 or n % size:
+            raise ScalingError(f"{name}={size} must divide world_size={n}")
+    if h > 1 and m:
+        raise ScalingError("hpZ and MiCS are alternatives: give one of hpz_partition_size, "
+                           "mics_shard_size")
+    return h, m, quantized_weights, quantized_gradients, exact
 
 
 def _zeropp_settings(ds: Optional[Any], hpz_partition_size: Optional[int],
