@@ -122,50 +122,19 @@ def check_tensors(found: Mapping[str, tuple[str, tuple[int, ...], str]], args: M
     the files hold (80 layers where they hold 2, a width that would need TiB) is refused before
     anything of its size is allocated."""
     hf = names is not None
-    n_layers_key = "num_hidden_layers" if hf else "n_layers"
     held = sum(math.prod(shape) for _, shape, _ in found.values())
     held_bytes = sum(math.prod(shape) * _itemsize(dt) for dt, shape, _ in found.values())
     want = parameters(args)
     sizes = (f"{config} implies {want:,} parameters ({human_bytes(2 * want)} in bfloat16), "
              f"the files hold {held:,} ({human_bytes(held_bytes)})")
 
-    for name, (_, _, file) in found.items():
-        part = _quantization_part(name)
-        if part is not None:
-            raise WeightsError(f"tensor {name} in {file} is quantization data ({part!r}): the "
-                               f"model is quantized (bitsandbytes, GPTQ, AWQ or FP8). "
-                               f"{REQUANT_FIX}")
-    odd = [(n, dt, f) for n, (dt, _, f) in found.items() if dt not in FLOATS]
-    if odd:
-        name, dtype, file = odd[0]
-        raise WeightsError(
-            f"tensor {name} in {file} is {dtype} ({len(odd)} of {len(found)} tensors are not "
-            f"float16, bfloat16, float32 or float64): integer or quantized weights, which would "
-            f"be cast to float and trained on as if they were the model. {REQUANT_FIX}")
-
-    layer_re = re.compile(r"model\.layers\.(\d+)\." if hf else r"layers\.(\d+)\.")
-    layers = sorted({int(m.group(1)) for n in found for m in [layer_re.match(n)] if m})
-    if len(layers) != args.n_layers:
-        span = f"layers {layers[0]}-{layers[-1]}" if layers else "no layer tensors"
-        fix = (f"these weights are another model's: use the {config} they were saved with"
-               if len(layers) > args.n_layers else
-               "give the files that hold the model's weights" if not layers else
-               f"set {n_layers_key}={len(layers)} in {config} if these are all the weights, or "
-               f"add the missing shard files")
-        raise WeightsError(f"{config} says {n_layers_key}={args.n_layers} but the weights hold "
-                           f"{len(layers)} layer(s) ({span}); {sizes}: {fix}.")
+    _check_float(found)
+    _check_layer_count(found, args, config, hf, sizes)
 
     expected = expected_shapes(args, names)
     embed, head = (names or {}).get("tok_embeddings.weight", "tok_embeddings.weight"), \
         (names or {}).get("output.weight", "output.weight")
-    for key in (embed, head):
-        if key in found and len(found[key][1]) == 2 and found[key][1][0] != args.vocab_size:
-            rows, file = found[key][1][0], found[key][2]
-            raise WeightsError(
-                f"{config} says vocab_size={args.vocab_size} but {key} in {file} has {rows:,} "
-                f"rows, one per token: the recorded vocabulary is not these weights'. Set "
-                f"vocab_size={rows} in {config} (the tokenizer must have at most {rows:,} "
-                f"tokens).")
+    _check_vocab_rows(found, args, config, (embed, head))
 
     optional = {head} if args.tie_embeddings else set()
     have = {n for n in found if not n.endswith(_IGNORED)} - optional
@@ -189,6 +158,53 @@ def check_tensors(found: Mapping[str, tuple[str, tuple[int, ...], str]], args: M
             f"tensor {name} in {file} has shape {list(shape)} but {config} implies "
             f"{list(want_shape)} ({rule}){more}; {sizes}. The config does not describe these "
             f"weights: use the {config} they were saved with.")
+
+
+def _check_float(found: Mapping[str, tuple[str, tuple[int, ...], str]]) -> None:
+    """check_tensors' first check: no quantization tensors, then no non-float dtype."""
+    for name, (_, _, file) in found.items():
+        part = _quantization_part(name)
+        if part is not None:
+            raise WeightsError(f"tensor {name} in {file} is quantization data ({part!r}): the "
+                               f"model is quantized (bitsandbytes, GPTQ, AWQ or FP8). "
+                               f"{REQUANT_FIX}")
+    odd = [(n, dt, f) for n, (dt, _, f) in found.items() if dt not in FLOATS]
+    if odd:
+        name, dtype, file = odd[0]
+        raise WeightsError(
+            f"tensor {name} in {file} is {dtype} ({len(odd)} of {len(found)} tensors are not "
+            f"float16, bfloat16, float32 or float64): integer or quantized weights, which would "
+            f"be cast to float and trained on as if they were the model. {REQUANT_FIX}")
+
+
+def _check_layer_count(found: Mapping[str, tuple[str, tuple[int, ...], str]], args: ModelArgs,
+                       config: str, hf: bool, sizes: str) -> None:
+    """check_tensors' layer check: the files hold exactly ``args.n_layers`` layers."""
+    n_layers_key = "num_hidden_layers" if hf else "n_layers"
+    layer_re = re.compile(r"model\.layers\.(\d+)\." if hf else r"layers\.(\d+)\.")
+    layers = sorted({int(m.group(1)) for n in found for m in [layer_re.match(n)] if m})
+    if len(layers) != args.n_layers:
+        span = f"layers {layers[0]}-{layers[-1]}" if layers else "no layer tensors"
+        fix = (f"these weights are another model's: use the {config} they were saved with"
+               if len(layers) > args.n_layers else
+               "give the files that hold the model's weights" if not layers else
+               f"set {n_layers_key}={len(layers)} in {config} if these are all the weights, or "
+               f"add the missing shard files")
+        raise WeightsError(f"{config} says {n_layers_key}={args.n_layers} but the weights hold "
+                           f"{len(layers)} layer(s) ({span}); {sizes}: {fix}.")
+
+
+def _check_vocab_rows(found: Mapping[str, tuple[str, tuple[int, ...], str]], args: ModelArgs,
+                      config: str, keys: tuple[str, str]) -> None:
+    """check_tensors' vocabulary check: the embedding and output (``keys``) have vocab_size rows."""
+    for key in keys:
+        if key in found and len(found[key][1]) == 2 and found[key][1][0] != args.vocab_size:
+            rows, file = found[key][1][0], found[key][2]
+            raise WeightsError(
+                f"{config} says vocab_size={args.vocab_size} but {key} in {file} has {rows:,} "
+                f"rows, one per token: the recorded vocabulary is not these weights'. Set "
+                f"vocab_size={rows} in {config} (the tokenizer must have at most {rows:,} "
+                f"tokens).")
 
 
 def check_finite(sd: Mapping[str, torch.Tensor], where: Mapping[str, str]) -> None:
