@@ -202,24 +202,13 @@ def _exchanges_alone(eng, mpu, margs, args) -> Dict[str, float]:
     return {str(b): eng.all_to_all_seconds(mpu, b) for b in sorted(set(traffic["call_bytes"]))}
 
 
-def main(argv=None) -> None:
-    args = _parse(argv)
-
-    import torch
-    import torch.distributed as dist
-
-    from llama_train import engine as eng
-    from llama_train.comm import CommConfig
+def _layout(args, rt):
+    """The trainer's layout and batch for this worker's settings (plan_job's "layout" scope)."""
     from llama_train.config import (Config, DeepSpeedConfig, OptimConfig, ParallelConfig,
                                     TrainerConfig)
-    from llama_train.job.optim import param_groups
     from llama_train.job.plan import plan_job
-    from llama_train.job.train_module import TrainModule
-    from llama_train.model import ModelArgs, count_params
-    from llama_train.proc import exit_skipping_teardown
+    from llama_train.model import ModelArgs
 
-    rt = eng.detect_runtime("cpu")
-    eng.init_distributed(CommConfig(), rt.device_type)
     margs = ModelArgs(**json.loads(args.model_json))
     optim = OptimConfig()
     ds_cfg = DeepSpeedConfig(zero_stage=args.stage, precision=args.precision,
@@ -230,14 +219,12 @@ def main(argv=None) -> None:
                           trainer=TrainerConfig(seq_len=args.seq_len, micro_batch=args.micro_batch),
                           parallel=ParallelConfig(sequence=args.sequence_parallel)),
                    rt, scope="layout")
-    layout, plan = job.layout, job.batch
-    sp = layout.sequence_parallel
-    mpu = eng.init_sequence_parallel(sp)  # the trainer's groups (None for 1)
-    ds_config = eng.build_ds_config(ds_cfg, optim, plan, rt.device_type, model_dim=margs.dim)
-    ds_config["zero_optimization"].update(json.loads(args.ds_zero))
-    eng.warm_up(args.offload)
-    dist.barrier()
-    meter = PeakMeter(rt.device)  # idle baseline: imports, process group, warm-up; no model yet
+    return margs, optim, ds_cfg, job.layout, job.batch
+
+
+def _build_measured(eng, margs, optim, ds_config, rt, mpu, meter):
+    """Build the model and initialize DeepSpeed the trainer's way, each a phase of ``meter``."""
+    from llama_train.job.optim import param_groups
 
     meter.start()
     model = eng.build_model(margs, ds_config, rt.device, seed=0, mpu=mpu)  # the trainer's path
@@ -247,6 +234,42 @@ def main(argv=None) -> None:
     engine = eng.initialize(model, param_groups(model, optim), ds_config, mpu=mpu)
     del model
     meter.stop("initialize")
+    return engine
+
+
+def _write_result(out_dir: str, rank: int, result: Dict[str, Any]) -> None:
+    """Write this rank's ``rank<N>.json`` atomically: the parent reads only whole files."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".rank{rank}.json"
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, out / f"rank{rank}.json")
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from llama_train import engine as eng
+    from llama_train.comm import CommConfig
+    from llama_train.job.train_module import TrainModule
+    from llama_train.model import count_params
+    from llama_train.proc import exit_skipping_teardown
+
+    rt = eng.detect_runtime("cpu")
+    eng.init_distributed(CommConfig(), rt.device_type)
+    margs, optim, ds_cfg, layout, plan = _layout(args, rt)
+    sp = layout.sequence_parallel
+    mpu = eng.init_sequence_parallel(sp)  # the trainer's groups (None for 1)
+    ds_config = eng.build_ds_config(ds_cfg, optim, plan, rt.device_type, model_dim=margs.dim)
+    ds_config["zero_optimization"].update(json.loads(args.ds_zero))
+    eng.warm_up(args.offload)
+    dist.barrier()
+    meter = PeakMeter(rt.device)  # idle baseline: imports, process group, warm-up; no model yet
+
+    engine = _build_measured(eng, margs, optim, ds_config, rt, mpu, meter)
     # the trainer's micro-batch: this rank's slice of the sequences and its share of the loss
     module = TrainModule(engine, plan, rt.device, optim, args.steps, vocab_size=margs.vocab_size,
                          eos_id=0, document_mask=False, data_dir="(random tokens)",
@@ -271,11 +294,7 @@ def main(argv=None) -> None:
         "optimizer_class": type(engine.memory_roots()["optimizer"]).__name__,
         "rss_end": rss(),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".rank{rt.rank}.json"
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out / f"rank{rt.rank}.json")
+    _write_result(args.out, rt.rank, result)
     dist.barrier()
     dist.destroy_process_group()
     exit_skipping_teardown(0)
