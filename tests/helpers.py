@@ -51,6 +51,16 @@ def launcher_cmd(overrides: List[str], nprocs: int = 2, port: Optional[int] = No
             *overrides]
 
 
+def node_cmds(hostfile: Path, per_node: int, port: int, entry: List[str]) -> List[List[str]]:
+    """The two 'nodes' of a two-host hostfile on this machine, as launch/multinode.sh starts
+    them in no-ssh mode (launch/local_two_nodes.sh runs it once per node): ``deepspeed
+    --hostfile H --master_port P --no_ssh --node_rank K --master_addr 127.0.0.1 ENTRY...``."""
+    Path(hostfile).write_text(f"node0 slots={per_node}\nnode1 slots={per_node}\n")
+    return [[str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--master_port", str(port),
+             "--no_ssh", "--node_rank", str(k), "--master_addr", "127.0.0.1", *entry]
+            for k in (0, 1)]
+
+
 _WARM = None
 
 

@@ -6,8 +6,9 @@ In process: every refusal, before any process group (config composition, ``confi
 ``llama-train``'s ``main()``, its dry run and its sweep check), the DeepSpeed JSON they become,
 their resume policy and what the memory planner counts for them.
 
-Through the launcher (slow): hpZ = 2 on a two-"node" CPU job (``launch/local_two_nodes.sh``,
-2 x 2 ranks over gloo). What runs on CPU with DeepSpeed 0.19.8 and what does not:
+Through the launcher (slow): hpZ = 2 on a two-"node" CPU job (the two launches of
+``launch/local_two_nodes.sh``, forked from the warm parent, 2 x 2 ranks over gloo; the script
+itself runs in the docs' rows). What runs on CPU with DeepSpeed 0.19.8 and what does not:
 
 * hpZ runs. Its losses must EQUAL plain ZeRO-3's on the same 4 ranks (tolerance 0): hpZ only
   changes which ranks a weight is all-gathered from (a secondary copy of the same fp32 values
@@ -33,13 +34,12 @@ Through the launcher (slow): hpZ = 2 on a two-"node" CPU job (``launch/local_two
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import (REPO, TINY, compose_cfg, copy_at_step, free_port, losses, metrics,
-                     resumed_from, run, run_main, tail, train)
+from helpers import (TINY, compose_cfg, copy_at_step, free_port, losses, metrics, node_cmds,
+                     resumed_from, run_main, spawn, tail, train)
 from llama_train import policy
 from llama_train.config import ConfigError, validate
 from llama_train.layout import ParallelLayout
@@ -339,17 +339,23 @@ def test_model_info_takes_them():
 
 # -- two "nodes" of 2 CPU ranks each ---------------------------------------------------------------
 
-TWO_NODES = REPO / "launch" / "local_two_nodes.sh"
 # 4 ranks x micro 1 = the global batch of 4; 4 steps, a checkpoint every 2
 STEPS = [*TINY, "trainer.micro_batch=1", "trainer.global_batch=4", "trainer.max_steps=4",
          "trainer.save_every=2", "trainer.keep_last=10", ZERO3]
 
 
 def two_nodes(out: Path, overrides, log_name: str) -> None:
-    """``launch/local_two_nodes.sh`` with 2 ranks per node: 4 ranks, node k = ranks 2k, 2k+1."""
-    env = {"NPROC_PER_NODE": "2", "PYTHON": sys.executable, "MASTER_PORT": str(free_port())}
-    run(["bash", str(TWO_NODES), *STEPS, f"trainer.output_dir={out}", *overrides],
-        out.parent / f"{out.name}-{log_name}.log", timeout=300, env=env)
+    """Two 'nodes' of 2 ranks each, the two launches ``launch/local_two_nodes.sh`` makes (its
+    own runs: tests/system/test_launcher_runs.py, the docs' rows), forked from the warm parent
+    (what each rank gets is the real launcher's: tests/system/test_warm_ranks.py's two-node
+    test): 4 ranks, node k = ranks 2k, 2k+1."""
+    cmds = node_cmds(out.parent / f"{out.name}-hostfile", 2, free_port(),
+                     ["--module", "llama_train.train", *STEPS, f"trainer.output_dir={out}",
+                      *overrides])
+    logs = [out.parent / f"{out.name}-{log_name}-node{k}.log" for k in (0, 1)]
+    with spawn(cmds[0], logs[0], warm=True) as p0, spawn(cmds[1], logs[1], warm=True) as p1:
+        rcs = [p0.wait(timeout=300), p1.wait(timeout=300)]
+    assert rcs == [0, 0], "\n".join(tail(log) for log in logs)
 
 
 def hpz_traffic_equals_the_plan(out: Path, overrides) -> None:

@@ -77,6 +77,37 @@ def test_a_forked_rank_gets_what_the_launcher_gives(tmp_path, script):
     assert r["under_launcher"] and r["job_command"].startswith("deepspeed --num_gpus 2")
 
 
+def _two_nodes(out, cmds, warm: bool):
+    """Both nodes' launches at once, each rank's record (by its global RANK)."""
+    out.mkdir()
+    env = {"LLAMA_TRAIN_PROBE_OUT": str(out)}
+    logs = [out.parent / f"{out.name}-node{k}.log" for k in (0, 1)]
+    with helpers.spawn(cmds[0], logs[0], env, warm=warm) as p0, \
+            helpers.spawn(cmds[1], logs[1], env, warm=warm) as p1:
+        if warm:
+            assert all(isinstance(p, helpers.warm_server_job_type()) for p in (p0, p1))
+        rcs = [p0.wait(timeout=120), p1.wait(timeout=120)]
+    assert rcs == [0, 0], "\n".join(log.read_text()[-2000:] for log in logs)
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+
+
+def test_two_nodes_forked_ranks_get_what_the_launcher_gives(tmp_path):
+    """Two launcher invocations of one machine, --no_ssh --node_rank 0 and 1 (as
+    launch/local_two_nodes.sh; tests/engine/test_zeropp.py's hpZ job runs them forked), 2 ranks
+    per node: each rank's environment (CROSS_RANK, LOCAL_RANK, ... ) and the rest are the
+    real launcher's."""
+    cmds = helpers.node_cmds(tmp_path / "hostfile", 2, free_port(), ["--module", PROBE, "a=1"])
+    real = _two_nodes(tmp_path / "real", cmds, warm=False)
+    warm = _two_nodes(tmp_path / "warm", cmds, warm=True)
+    assert sorted(real) == sorted(warm) == ["0", "1", "2", "3"]
+    for rank in real:
+        assert differences(real[rank], warm[rank]) == {}, rank
+    r = real["3"]
+    assert (r["env"]["CROSS_RANK"], r["env"]["LOCAL_RANK"], r["env"]["WORLD_SIZE"]) == \
+        ("1", "1", "4")
+    assert r["argv"][1:] == ["--local_rank=1", "a=1"] and r["under_launcher"]
+
+
 def test_a_failing_rank_ends_the_job_as_the_launcher_ends_it(tmp_path):
     port = free_port()
     env = {"LLAMA_TRAIN_PROBE_EXIT": "1:3"}
