@@ -345,11 +345,12 @@ def test_second_job_refused_dead_holder_relaunch_and_corrupt_history(tmp_path):
     args = ["trainer.max_steps=400", "trainer.save_every=10", "trainer.keep_last=2",
             "deepspeed.zero_stage=2"]
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
-    with spawn(launcher_cmd([*TINY, f"trainer.output_dir={out}", *args]), first_log) as first:
+    with spawn(launcher_cmd([*TINY, f"trainer.output_dir={out}", *args]), first_log,
+               warm=True) as first:
         assert wait_for(lambda: max(losses_so_far(out), default=0) >= 2, 240, 0.1), tail(first_log)
         t0 = time.monotonic()
         with spawn(launcher_cmd([*TINY, f"trainer.output_dir={out}", *args]),
-                   second_log) as second:
+                   second_log, warm=True) as second:
             rc = second.wait(timeout=180)
         refused_s = time.monotonic() - t0
         text = second_log.read_text()
@@ -411,7 +412,7 @@ def test_output_dir_turning_read_only_mid_run(tmp_path):
         log = tmp_path / "ro-second.log"
         cmd = launcher_cmd([*TINY, f"trainer.output_dir={out}", "trainer.max_steps=100000",
                             "trainer.save_every=100000", "comm.timeout_s=20"])
-        with spawn(cmd, log) as proc:
+        with spawn(cmd, log, warm=True) as proc:
             assert wait_for(lambda: max(losses_so_far(out), default=0) >= 5 or proc.poll() is not None,
                             240, 0.05), tail(log)
             # a read-only mount stacked on the directory: the job's open files (its lock) stay
