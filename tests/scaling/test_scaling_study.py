@@ -389,9 +389,10 @@ def test_a_committed_row_reruns_to_its_val_loss(tmp_path):
     cmd = shlex.split(row["command"])
     cmd = [c for c in cmd[1:] if not c.startswith("trainer.output_dir=")]
     out = tmp_path / "rerun"
-    subprocess.run([sys.executable, "-m", "llama_train.train", *cmd, f"trainer.output_dir={out}",
-                    "tracking=disabled"], cwd=REPO, check=True, timeout=900,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    from helpers import run
+
+    run([sys.executable, "-m", "llama_train.train", *cmd, f"trainer.output_dir={out}",
+         "tracking=disabled"], tmp_path / "rerun.log", timeout=900, warm=True)
     got = RunInfo.read(out / "run_info.json").final_val_loss
     assert abs(got / float(row["val_loss"]) - 1) < 0.005, (got, row["val_loss"], row["command"])
 
