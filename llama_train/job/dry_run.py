@@ -91,8 +91,9 @@ def print_job_config(overrides: List[str]) -> None:
     (plan.plan_job, ``scope="preview"``) applied: the experiment's (model shape, steps, warmup,
     lr), a resume's kept global batch, trainer.init_from's tokenizer, a simulated rank's
     switches, each said in a comment as the run logs it; interpolations resolved (the
-    output_dir an experiment names), secrets scrubbed. Hydra's own ``--cfg job`` printed the composed config
-    before any of that (dim 128 and 150 steps where the run trained dim 64 for 1027 steps)."""
+    output_dir an experiment names), secrets scrubbed. Hydra's own ``--cfg job`` printed the
+    composed config before any of that (dim 128 and 150 steps where the run trained dim 64 for
+    1027 steps)."""
     import yaml
     from hydra import compose, initialize_config_dir
 
