@@ -1,9 +1,11 @@
 """A hung or killed rank stops the whole job (issue 12, docs/reliability.md).
 
-Through the real deepspeed launcher, 2 CPU ranks, the tiny model, ``comm.timeout_s=10``: one
-rank is stopped (SIGSTOP: it cannot run at all, as a rank frozen in the kernel or in a C call)
-or killed (SIGKILL) once the job has logged step 3, or stops itself inside an evaluation,
-half-way through a checkpoint save, or half-way through loading the checkpoint it resumes. Every case must end with the launcher's exit within
+Through DeepSpeed's runner and launcher (forked from the warm parent, tests/warm_ranks.py: their
+own code decides what each rank gets and the job's exit status), 2 CPU ranks, the tiny model,
+``comm.timeout_s=10``: one rank is stopped (SIGSTOP: it cannot run at all, as a rank frozen in
+the kernel or in a C call) or killed (SIGKILL) once the job has logged step 3, or stops itself
+inside an evaluation, half-way through a checkpoint save, or half-way through loading the
+checkpoint it resumes. Every case must end with the launcher's exit within
 ``comm.timeout_s + 30`` s of the stop, and a survivor's line naming the lost rank and its step.
 A stopped rank ends with exit status 5 (the survivor's); a killed one with the launcher's status
 for the killed rank (it reports the first rank it finds dead, and that is the killed one).

@@ -8,7 +8,8 @@
   or its first copy to host memory when the save is asynchronous, the default),
   ``load`` half-way through resuming the checkpoint of that step (after the first file read).
 
-Started by the real ``deepspeed`` launcher with Hydra overrides, like ``llama_train.train``.
+Started by ``deepspeed`` (forked from the warm parent: tests/warm_ranks.py) with Hydra
+overrides, like ``llama_train.train``.
 """
 
 from __future__ import annotations
