@@ -227,7 +227,14 @@ def job_command() -> Optional[str]:
 
 def launcher_gone() -> Optional[str]:
     """Which of the processes that started this rank has died: "launcher" (this rank was
-    re-parented), "runner" (the ``deepspeed`` command above the launcher), or None."""
+    re-parented), "runner" (the ``deepspeed`` command above the launcher), or None. Looked at
+    now, not only through the watcher (which looks once a second): the ranks that stop together
+    because another rank's watcher saw the runner go say the same as that rank."""
     if _launcher_pid is not None and os.getppid() != _launcher_pid:
         return "launcher"
-    return "runner" if _runner_lost else None
+    if _runner_lost:
+        return "runner"
+    if _runner_pid is not None and _launcher_pid is not None \
+            and _parent_of(_launcher_pid) not in (None, _runner_pid):
+        return "runner"
+    return None

@@ -74,11 +74,15 @@ class StopSignals:
         return 128 + (self.received[0] if self.received else signal.SIGTERM)
 
     def stopped_line(self, step: int, checkpoint: Any, command: Optional[str],
-                     resume: str) -> str:
+                     resume: str, gone: Optional[str] = None) -> str:
         """The one line a stopped job ends with (rank 0, once the save is durable): why, the
         step saved and where, the command that resumes it (``trainer.resume=auto`` added where
-        the run's own setting would not resume)."""
+        the run's own setting would not resume). ``gone``: proc.launcher_gone()'s answer; a
+        rank that learnt of the stop from another rank whose watcher saw the ``deepspeed``
+        command (or the launcher) go says the SIGTERM its own would have sent it."""
         first = self.received[0] if self.received else None
+        if first is None and gone is not None:
+            first = signal.SIGTERM
         why = ("Ctrl-C (SIGINT)" if first == signal.SIGINT else signal.Signals(first).name
                if first is not None else "a signal to another rank")
         again = (f"{command}{'' if resume == 'auto' else ' trainer.resume=auto'}" if command
@@ -207,7 +211,7 @@ class Trainer:
                     self.close()
                     if self.rt.is_main:  # one line for the job, true once the save is durable
                         log.warning("%s", stop.stopped_line(s.step, self.last_good,
-                                                            job_command(), t.resume))
+                                                            job_command(), t.resume, gone))
                     raise SystemExit(stop.exit_code())
                 if run_done:
                     log.info("trainer.steps_this_run=%d reached at step %d: checkpoint saved, "
