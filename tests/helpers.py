@@ -61,6 +61,16 @@ def node_cmds(hostfile: Path, per_node: int, port: int, entry: List[str]) -> Lis
             for k in (0, 1)]
 
 
+def run_nodes(cmds: List[List[str]], logs: List[Path], env: Optional[Dict[str, str]] = None,
+              warm: bool = False, timeout: float = 300) -> List:
+    """Both nodes' launches at once (:func:`node_cmds`), each into its log; their exit codes
+    (each process group killed on the way out). ``warm``: forked from the warm parent."""
+    with spawn(cmds[0], logs[0], env, warm) as p0, spawn(cmds[1], logs[1], env, warm) as p1:
+        if warm and warm_server() is not None:
+            assert all(isinstance(p, warm_server_job_type()) for p in (p0, p1)), _WARM.why
+        return [p0.wait(timeout=timeout), p1.wait(timeout=timeout)]
+
+
 _WARM = None
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (TINY, compose_cfg, copy_at_step, free_port, losses, metrics, node_cmds,
-                     resumed_from, run_main, spawn, tail, train)
+                     resumed_from, run_main, run_nodes, tail, train)
 from llama_train import policy
 from llama_train.config import ConfigError, validate
 from llama_train.layout import ParallelLayout
@@ -353,9 +353,7 @@ def two_nodes(out: Path, overrides, log_name: str) -> None:
                      ["--module", "llama_train.train", *STEPS, f"trainer.output_dir={out}",
                       *overrides])
     logs = [out.parent / f"{out.name}-{log_name}-node{k}.log" for k in (0, 1)]
-    with spawn(cmds[0], logs[0], warm=True) as p0, spawn(cmds[1], logs[1], warm=True) as p1:
-        rcs = [p0.wait(timeout=300), p1.wait(timeout=300)]
-    assert rcs == [0, 0], "\n".join(tail(log) for log in logs)
+    assert run_nodes(cmds, logs, warm=True) == [0, 0], "\n".join(tail(log) for log in logs)
 
 
 def hpz_traffic_equals_the_plan(out: Path, overrides) -> None:

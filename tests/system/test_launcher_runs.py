@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from helpers import (REPO, TINY, assert_losses_close, free_port, losses, metrics, one_process,
-                     spawn, tail, train)
+from helpers import (REPO, TINY, assert_losses_close, free_port, losses, metrics, node_cmds,
+                     one_process, run_nodes, spawn, tail, train)
 from llama_train.records import RunInfo
 
 TOL = 2e-4
@@ -131,19 +130,10 @@ def test_single_process_matches_two_ranks(baseline, runs):
 
 def test_two_node_simulation_matches_single_node(baseline, runs, tmp_path):
     """Two launcher invocations, one per 'node', a two-host hostfile, --no_ssh."""
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     out = runs / "two_node"
-    port = free_port()
-    common = [*TINY, f"trainer.output_dir={out}"]
-    cmds = [
-        [str(Path(sys.executable).parent / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh",
-         "--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
-         "--module", "llama_train.train", *common]
-        for rank in (0, 1)
-    ]
-    with spawn(cmds[0], runs / "node0.log") as p0, spawn(cmds[1], runs / "node1.log") as p1:
-        rc0, rc1 = p0.wait(timeout=300), p1.wait(timeout=300)
+    cmds = node_cmds(tmp_path / "hostfile", 1, free_port(),
+                     ["--module", "llama_train.train", *TINY, f"trainer.output_dir={out}"])
+    rc0, rc1 = run_nodes(cmds, [runs / "node0.log", runs / "node1.log"])  # the real launcher
     assert rc0 == 0 and rc1 == 0, tail(runs / "node0.log") + tail(runs / "node1.log")
     _close(losses(out), losses(baseline))
 

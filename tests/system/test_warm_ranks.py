@@ -82,11 +82,7 @@ def _two_nodes(out, cmds, warm: bool):
     out.mkdir()
     env = {"LLAMA_TRAIN_PROBE_OUT": str(out)}
     logs = [out.parent / f"{out.name}-node{k}.log" for k in (0, 1)]
-    with helpers.spawn(cmds[0], logs[0], env, warm=warm) as p0, \
-            helpers.spawn(cmds[1], logs[1], env, warm=warm) as p1:
-        if warm:
-            assert all(isinstance(p, helpers.warm_server_job_type()) for p in (p0, p1))
-        rcs = [p0.wait(timeout=120), p1.wait(timeout=120)]
+    rcs = helpers.run_nodes(cmds, logs, env, warm=warm, timeout=120)
     assert rcs == [0, 0], "\n".join(log.read_text()[-2000:] for log in logs)
     return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
 
