@@ -72,6 +72,7 @@ def test_train_bench_mfu_uses_the_datasheet_peak_on_an_h200(monkeypatch):
     and printed MFU 1176%; llama-train divides by the datasheet's 989 TFLOP/s, and so must the
     bench, saying so. The device is faked: a CUDA device whose name is an H200's."""
     import argparse
+    import os
 
     import torch
 
@@ -325,6 +326,7 @@ def test_train_bench_json_keeps_the_old_peak_keys_with_a_deprecation_note():
     """Readers of reports from before 2026-11-28 find ``peak_flops.square_1024*`` still there
     (the MFU denominator under its old names) and a ``deprecated`` map naming what replaces each."""
     import argparse
+    import os
 
     from llama_train.bench.report import build_report
     from llama_train.engine.flops import PeakFlops
@@ -344,3 +346,23 @@ def test_train_bench_json_keeps_the_old_peak_keys_with_a_deprecation_note():
     assert pk["square_1024_per_round"] == [5e11, 5e11]
     assert set(pk["deprecated"]) == {"square_1024", "square_1024_per_round"}
     assert all(v.startswith("value") for v in pk["deprecated"].values())
+
+
+def test_data_bench_cached_corpus_reads_the_cache_and_says_so(monkeypatch, tmp_path):
+    """``llama-bench data --cached-corpus``: the corpus as training reads it, no extraction
+    timed, and the report's build says so."""
+    import argparse
+    import os
+
+    from llama_train.bench import data as data_bench
+    from llama_train.data import corpus
+
+    def no_extraction():
+        raise AssertionError("extracted though --cached-corpus")
+
+    cached = list(corpus.builtin_corpus())  # in the session's cache (conftest)
+    monkeypatch.setattr(corpus, "extract_builtin", no_extraction)
+    args = argparse.Namespace(no_cold=True, cached_corpus=True, vocab_size=512)
+    res: dict = {"loadavg": {"start": [0.0], "end": [0.0]}}
+    docs, tok_path, _ = data_bench._one_off_costs(args, tmp_path, res)
+    assert docs == cached and res["corpus_build_s"] is None and os.path.isfile(tok_path)

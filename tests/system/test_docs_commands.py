@@ -317,7 +317,8 @@ TABLE: List[Tuple[str, object]] = [
          "--modes async --no-warmup --workdir bckpt3 --json bckpt3.json")),
     # ---- docs/benchmarks-data.md
     (".venv/bin/python -m llama_train.bench.data --json bench-data.json",
-     Run("--vocab-size 512 --repeats 1 --scale 1 --loader-batches 4 --model-steps 1 --no-cold")),
+     Run("--vocab-size 512 --repeats 1 --scale 1 --loader-batches 4 --model-steps 1 --no-cold "
+         "--cached-corpus")),
     # ---- docs/benchmarks-document-mask.md
     ("OMP_NUM_THREADS=1 llama-bench docmask", Run("--shapes 128:64 --docs 1,4 --rounds 1")),
     ("OMP_NUM_THREADS=1 llama-bench docmask --shapes 256:2048 --docs 1,16 --rounds 3",
