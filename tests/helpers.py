@@ -225,10 +225,17 @@ def copy_at_step(src: Path, dst: Path, step: int) -> Path:
 
 
 def export_hf(checkpoints: Path, hf_dir: Path) -> None:
-    """llama-export's entry point in a child process: the newest checkpoint under
-    ``checkpoints`` -> a Hugging Face model directory ``hf_dir``."""
-    subprocess.run([sys.executable, "-c", "from llama_train.hf import export_main; export_main()",
-                    str(checkpoints), str(hf_dir)], check=True, cwd=REPO)
+    """``llama-export`` in a process of its own (forked from the warm parent): the newest
+    checkpoint under ``checkpoints`` -> a Hugging Face model directory ``hf_dir``."""
+    run([str(BIN / "llama-export"), str(checkpoints), str(hf_dir)],
+        Path(hf_dir).parent / f"{Path(hf_dir).name}-export.log", warm=True)
+
+
+def import_hf(hf_dir: Path, out: Path) -> None:
+    """``llama-import`` in a process of its own (forked from the warm parent): a Hugging Face
+    model directory -> a llama-train weights file ``out``."""
+    run([str(BIN / "llama-import"), str(hf_dir), str(out)],
+        Path(out).parent / f"{Path(out).name}-import.log", warm=True)
 
 
 def assert_hf_logits_match(checkpoints: Path, hf_dir: Path, tol: float = 1e-4):

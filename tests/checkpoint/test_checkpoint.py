@@ -8,16 +8,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 
 import psutil
 import pytest
 import torch
 
-from helpers import (REPO, TINY, assert_hf_logits_match, copy_at_step, export_hf, launcher_cmd,
-                     losses, losses_so_far, metrics, one_process, rank_pid, resumed_from, spawn,
-                     tail, train, wait_for)
+from helpers import (TINY, assert_hf_logits_match, copy_at_step, export_hf, import_hf,
+                     launcher_cmd, losses, losses_so_far, metrics, one_process, rank_pid,
+                     resumed_from, spawn, tail, train, wait_for)
 from llama_train.checkpoint import find_latest, load_consolidated, verify, write_manifest
 
 pytestmark = pytest.mark.slow
@@ -91,8 +89,7 @@ def test_export_and_import_match_transformers(uninterrupted, runs, tmp_path):
         "hello world"
     # import: a llama-import file starts a new training run from these weights
     pt = tmp_path / "imported.pt"
-    subprocess.run([sys.executable, "-c", "from llama_train.hf import import_main; import_main()",
-                    str(hf_dir), str(pt)], check=True, cwd=REPO)
+    import_hf(hf_dir, pt)
     blob = torch.load(pt, weights_only=True)
     for k, v in sd.items():
         assert torch.equal(blob["model"][k], v), k
