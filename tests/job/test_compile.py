@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 
 import pytest
 
@@ -145,6 +146,39 @@ def test_compile_watch_logs_the_compile_time_and_each_recompile(caplog):
     assert watch.graphs == 0
 
 
+def test_the_blocks_share_one_graph_without_breaks(monkeypatch):
+    """compile_blocks: the tiny model's 4 blocks (grouped K/V heads, document masking,
+    activation checkpointing: what the slow tests train) trace as one graph, compiled once for
+    all 4 and kept over a second step: no graph break in RoPE or attention (each split a block
+    into more graphs, and the heads' shapes then recompiled them). aot_eager: dynamo and AOT
+    autograd run for real, without inductor's code generation."""
+    import dataclasses
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    from llama_train.engine import compile_blocks
+    from llama_train.model import Transformer, document_ids, load_preset
+
+    plain_compile = torch.compile
+    monkeypatch.setattr(torch, "compile",
+                        lambda fn, *a, **k: plain_compile(fn, *a, backend="aot_eager", **k))
+    args = dataclasses.replace(load_preset("tiny"), activation_checkpointing=True)
+    model = Transformer(args, seed=0).train()
+    compile_blocks(model, zero_stage=0)
+    tokens = torch.randint(0, args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for _ in range(2):
+            model(x, y, doc_ids=document_ids(x, eos_id=x[0, 5].item()))[1].backward()
+        assert dict(counters["graph_break"]) == {}
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    finally:
+        torch._dynamo.reset()
+
+
 # -- slow: through the launcher -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -170,29 +204,34 @@ def test_compiled_zero3_agrees_with_eager_and_resumes_exactly(z3_runs, inductor_
     assert_losses_close(lc, le, COMPILE_TOL)
     log = (z3_runs / "compiled-train.log").read_text()
     assert "trainer.compile=true: each of the 4 blocks compiled (as set)" in log
-    assert "torch.compile: " in log and "compiling" in log  # how long it took
+    # one forward and one backward graph for all 4 blocks, ZeRO-3's hooks outside them, no
+    # recompile within the step (77 graphs, 28 recompiles with the hooks inside); the final
+    # evaluation's no_grad compiles the forward once more
+    assert _first_step_graphs(log) == 2
+    assert "torch.compile recompiled during step 10: 1 graph(s)" in log
     assert "trainer.compile=false: eager (as set)" in (z3_runs / "eager-train.log").read_text()
 
     again = copy_at_step(compiled, z3_runs / "compiled_resumed", 5)
     train(again, [*Z3, "trainer.compile=true", "trainer.resume=auto"], env=inductor_env)
     assert len(resumed_from(again)) == 1
     assert losses(again) == lc  # steps 6-10 bit for bit
+    # AOT autograd's cache held the graph: forward and backward loaded as one
+    assert _first_step_graphs((z3_runs / "compiled_resumed-train.log").read_text()) == 1
 
 
 @pytest.mark.slow
 def test_compiled_sequence_parallelism_agrees_with_eager(z3_runs, inductor_env):
     """2 ranks sharing each sequence (one replica, micro-batch 4) train the eager 2-replica
     run's global batch of 4: the compiled blocks hold DeepSpeed-Ulysses' all-to-all. ZeRO-1
-    here: ZeRO-3's hooks inside compiled blocks are the test above, and under ZeRO-1 dynamo
-    traces 4x fewer graphs (minutes less on 2 cores)."""
+    here: the blocks compile as they are, not as ZeRO-3's leaf modules (the test above)."""
     sp = z3_runs / "compiled_sp"
     train(sp, [*Z3, "deepspeed.zero_stage=1", "trainer.compile=true", "parallel.sequence=2",
                "trainer.micro_batch=4", "trainer.max_steps=5"], env=inductor_env)
     eager = {k: v for k, v in losses(z3_runs / "eager").items() if k <= 5}
     assert_losses_close(losses(sp), eager, SP_TOL)
     log = (z3_runs / "compiled_sp-train.log").read_text()
-    assert "torch.compile: " in log and "compiling" in log  # rank 0's line, once
-    assert log.count("torch.compile: ") == 1
+    assert _first_step_graphs(log) == 2  # the all-to-all inside the one forward graph
+    assert log.count("torch.compile: ") == 1  # rank 0's line, once
 
 
 @pytest.mark.slow
@@ -207,9 +246,9 @@ def test_compiled_fp8_agrees_with_eager_fp8(tmp_path, monkeypatch):
 
     from llama_train.train import train as train_in_process
 
-    plain_compile = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile",
-                        lambda self, *a, **k: plain_compile(self, *a, backend="aot_eager", **k))
+    plain_compile = torch.compile
+    monkeypatch.setattr(torch, "compile",
+                        lambda fn, *a, **k: plain_compile(fn, *a, backend="aot_eager", **k))
     fp8 = ["float8.enabled=true", "float8.emulate=true", "deepspeed.precision=bf16",
            "trainer.max_steps=3", "sample.tokens=0"]
     out, said = {}, {}
@@ -224,6 +263,15 @@ def test_compiled_fp8_agrees_with_eager_fp8(tmp_path, monkeypatch):
     assert any(m.startswith("torch.compile: ") for m in said["true"])
     assert "trainer.compile=false: eager (as set)" in said["false"]
     assert not any(m.startswith("torch.compile") for m in said["false"])
+
+
+def _first_step_graphs(log: str) -> int:
+    """How many graphs rank 0's first step compiled (CompileWatch's first line), asserting
+    that none of them was a recompile."""
+    found = re.search(r"torch\.compile: [\d.]+ s compiling (\d+) graphs "
+                      r"\(forward and backward\) during step", log)
+    assert found, [line for line in log.splitlines() if "torch.compile" in line]
+    return int(found.group(1))
 
 
 @contextlib.contextmanager
