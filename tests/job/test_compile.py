@@ -21,10 +21,12 @@ runs the same kernels (the same code, from the inductor cache) on the same data:
 FP8 emulated in bf16: 1e-2 on the loss (bf16's 8-bit mantissa; a scale rounded differently
 moves whole FP8 values: 3e-4 measured after one step).
 
-Cost: compiling takes 15-70 s of each process's first step on CPU (ZeRO-3: dynamo traces
-DeepSpeed's hooks, most of the time, which the inductor cache shared by every launch here,
-TORCHINDUCTOR_CACHE_DIR, does not save). The slow tests took 7-14 minutes of wall time on 2
-cores shared with other jobs (load 14-22); on an idle machine a launch is ~1.5 minutes cold.
+Cost: the first compiled launch compiles one forward and one backward graph for the 4 blocks
+(plus the evaluation's forward), ~15 s of each rank's first step on 2 cores: mostly inductor's
+C++ kernels, built once into the inductor cache every launch here shares (TORCHINDUCTOR_CACHE_DIR),
+which the resume then loads whole (~1 s); the sequence-parallel launch builds its own. The warm
+parent checks the CPU's vector instruction sets once for all of them (tests/warm_ranks.py). The
+two launching tests took ~66 CPU-s (125 with ZeRO-3's hooks inside the compiled blocks).
 """
 
 from __future__ import annotations
