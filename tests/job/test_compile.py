@@ -181,6 +181,25 @@ def test_the_blocks_share_one_graph_without_breaks(monkeypatch):
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("overrides,linear", [
+    (["deepspeed.zero_stage=3"], False),
+    (["deepspeed.zero_stage=3",
+      "deepspeed.extra={zero_optimization: {memory_efficient_linear: true}}"], True),
+    (["deepspeed.zero_stage=2"], None),  # no zero.Init, no linear of DeepSpeed's
+])
+def test_compiled_zero3_plain_linear_unless_extra_says(overrides, linear):
+    """engine.compiled_ds_config: compiled ZeRO-3 blocks keep F.linear (AOT autograd's cache
+    stores no graph that holds DeepSpeed's memory-efficient linear); deepspeed.extra decides."""
+    from llama_train.config import resolve_batch
+    from llama_train.engine import build_ds_config, compiled_ds_config
+
+    cfg = compose_cfg([*TINY, *overrides])
+    ds_config = build_ds_config(cfg.deepspeed, cfg.optim, resolve_batch(cfg.trainer, 1), "cuda",
+                                model_dim=cfg.model.dim)
+    compiled_ds_config(ds_config)
+    assert ds_config["zero_optimization"].get("memory_efficient_linear") is linear
+
+
 # -- slow: through the launcher -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
