@@ -30,7 +30,10 @@ What cannot be the same, and why it does not matter to the tests that use it:
   own imports would set it;
 * the parent's command line is padded (``--pad``) so that a forked process can write its own
   command line over it (as ``setproctitle`` does); ``/proc/<pid>/cmdline`` then ends in empty
-  arguments.
+  arguments;
+* a job with an inductor cache of its own (a compiling one) finds what inductor learns once per
+  process already learnt by the parent (:func:`_warm_inductor`): the same answers, not found
+  again in each rank.
 
 The tests that launch through this are those where the launcher is not the subject
 (``helpers.train``, ``helpers.one_process``); ``launcher=True`` there, and ``helpers.spawn`` /
@@ -422,9 +425,42 @@ def serve() -> None:
             if how is None:
                 reply({"id": req["id"], "error": why or "not a command of this interpreter"})
                 continue
+            if _compiles(req["env"]):
+                _warm_inductor(req["env"])
+                threads = _threads()  # the next requests exec'd if it left a thread
             pid = _start(req, how)
             jobs.add(pid)
             reply({"id": req["id"], "pid": pid})
+
+
+def _compiles(env: Dict[str, str]) -> bool:
+    """Whether ``env`` is the first job's given an inductor cache of its own (those of
+    tests/job/test_compile.py, which compile)."""
+    base = _BASE["env"].get("TORCHINDUCTOR_CACHE_DIR")
+    return "inductor" not in _BASE and env.get("TORCHINDUCTOR_CACHE_DIR", base) != base
+
+
+def _warm_inductor(env: Dict[str, str]) -> None:
+    """What every process that compiles finds out anew, found here once for the processes
+    forked after it (each keeps it in memory): the vector instruction sets the CPU and compiler
+    support (inductor builds a probe for each, in the job's cache, and loads each in a new
+    interpreter: ~1.5 CPU-s a rank) and the hash of torch's sources (~0.3 s). Should it fail,
+    each rank finds them as before."""
+    from torch._inductor import codecache, cpu_vec_isa
+
+    _BASE["inductor"] = True
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = env["TORCHINDUCTOR_CACHE_DIR"]
+    try:
+        cpu_vec_isa.valid_vec_isa_list()
+        codecache.torch_key()
+    except Exception:  # noqa: BLE001 - an optimisation only
+        traceback.print_exc()
+    finally:
+        if before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
 def _start(req: dict, how: dict) -> int:

@@ -9,7 +9,8 @@ loop only sees an engine with ``forward``/``backward``/``step``. One module per 
                       comm backend, the patches around its start; checkpoint_group
     ds_config.py      resolve_precision, build_ds_config: our sub-configs -> DeepSpeed's JSON
     build.py          build_model (ZeRO-3 inside deepspeed.zero.Init), load_full_state,
-                      initialize (the one call to deepspeed.initialize)
+                      compile_blocks (trainer.compile), initialize (the one call to
+                      deepspeed.initialize)
     sequence.py       init_sequence_parallel, shard_attention: DeepSpeed-Ulysses sequence
                       parallelism (parallel.sequence)
     wrapper.py        Engine, StepResult: the training loop's view of DeepSpeed's engine
@@ -24,8 +25,8 @@ Beside them, what else stands between the model and the device, none of it DeepS
 DeepSpeed is imported inside functions only: importing this package does not import it.
 """
 
-from llama_train.engine.build import (build_model, initialize, load_full_state, preload_deepspeed,
-                                      warm_up)
+from llama_train.engine.build import (build_model, compile_blocks, compiled_ds_config, initialize,
+                                      load_full_state, preload_deepspeed, warm_up)
 from llama_train.engine.distributed import (STARTUP_TIMEOUT, checkpoint_group, init_distributed,
                                             leads, load_deepspeed, shm_comm_op_loaded,
                                             shutdown_distributed, simulated)
@@ -44,7 +45,8 @@ __all__ = [
     "simulated", "leads", "checkpoint_group",
     "STARTUP_TIMEOUT",
     "resolve_precision", "build_ds_config",
-    "build_model", "load_full_state", "initialize", "preload_deepspeed", "warm_up",
+    "build_model", "load_full_state", "compile_blocks", "compiled_ds_config", "initialize",
+    "preload_deepspeed", "warm_up",
     "init_sequence_parallel", "sequence_rank", "shard_attention", "all_to_all_meter",
     "all_to_all_seconds",
     "Engine", "StepResult", "unwrap",

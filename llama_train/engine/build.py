@@ -94,6 +94,33 @@ def _tied_aliases(model: torch.nn.Module) -> set:
     return {n for n, _ in model.named_parameters(remove_duplicate=False)}
 
 
+def compile_blocks(model: torch.nn.Module, zero_stage: int) -> None:
+    """``torch.compile`` each transformer block's forward, in place (parameter names stay those
+    of the plain model). The forward, not the module's call: module hooks run around the graph,
+    not inside it. ZeRO-3 hooks every submodule (a graph break at each of them, and guards on
+    each module's ``ds_id`` that recompiled per Linear): its blocks become DeepSpeed leaf modules,
+    each gathered whole by the block's own hooks. Then every block runs one forward graph and
+    one backward graph, compiled once and shared by all blocks."""
+    if zero_stage == 3:
+        from deepspeed.utils import set_z3_leaf_module
+
+        for block in model.layers:
+            set_z3_leaf_module(block, True)
+    for block in model.layers:
+        block.forward = torch.compile(block.forward)
+
+
+def compiled_ds_config(ds_config: Dict[str, Any]) -> None:
+    """``ds_config`` for compiled blocks, in place: under ZeRO-3, DeepSpeed's memory-efficient
+    linear off unless ``deepspeed.extra`` sets it. zero.Init swaps ``F.linear`` for its
+    autograd.Function, which traced into a block saves what a plain linear does (the parameter,
+    released and gathered again as before) but keeps AOT autograd's cache from storing the
+    graph, so every start compiled it again."""
+    zero = ds_config["zero_optimization"]
+    if zero["stage"] == 3:
+        zero.setdefault("memory_efficient_linear", False)
+
+
 def initialize(model: torch.nn.Module, param_groups, ds_config: Dict[str, Any],
                mpu: Any = None) -> Engine:
     """The one call to ``deepspeed.initialize``; ``mpu``: the sequence-parallel groups of

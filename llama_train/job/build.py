@@ -174,6 +174,9 @@ def _build_engine(pre, resume: Optional[ResumeCheck], sim: Optional[Simulation],
     universal = resume is not None and resume.universal
     ds_config = eng.build_ds_config(cfg.deepspeed, cfg.optim, pre.plan, rt.device_type,
                                     universal=universal, model_dim=model_args.dim)
+    compiled, why = t.compiles(rt.device_type)
+    if compiled:
+        eng.compiled_ds_config(ds_config)  # before build_model: zero.Init reads it
     with phase("build"):
         model = eng.build_model(model_args, ds_config, rt.device, t.seed, mpu=seq_mpu,
                                 float8=cfg.float8)
@@ -182,10 +185,8 @@ def _build_engine(pre, resume: Optional[ResumeCheck], sim: Optional[Simulation],
             eng.load_full_state(model, read_init_from(t.init_from, with_weights=True)[1], zero)
             log.info("initialised weights from %s", t.init_from)
     eng.shard_attention(model, seq_mpu)  # parallel.sequence > 1 only
-    compiled, why = t.compiles(rt.device_type)
     if compiled:
-        for block in model.layers:
-            block.compile()  # in place: parameter names stay those of the plain model
+        eng.compile_blocks(model, zero)
     if rt.is_main:  # the decision, once; then how long compiling took, and recompiles
         log.info("trainer.compile=%s: %s (%s)", t.compile,
                  f"each of the {len(model.layers)} blocks compiled" if compiled else "eager", why)

@@ -28,7 +28,8 @@ def dry_run(cfg: Config) -> None:
     """trainer.dry_run=true: the plan this command would train, then exit. No process group and
     no data preparation (epochs only when the data is already prepared)."""
     from llama_train.data import DataError, find_prepared
-    from llama_train.engine import build_ds_config, detect_runtime, resolve_precision
+    from llama_train.engine import (build_ds_config, compiled_ds_config, detect_runtime,
+                                    resolve_precision)
     from llama_train.model import count_params, flops_per_token
 
     rt = detect_runtime(cfg.trainer.device, cfg.comm.simulate)
@@ -48,6 +49,8 @@ def dry_run(cfg: Config) -> None:
         found, why = None, str(e)
     precision = resolve_precision(ds, rt.device_type)
     ds_config = build_ds_config(ds, cfg.optim, plan, rt.device_type, model_dim=m.dim)
+    if t.compiles(rt.device_type)[0]:
+        compiled_ds_config(ds_config)  # as the run gives DeepSpeed
     seconds, how = _estimate_step_seconds(m, plan, rt, precision)
     offload = [w for w, on in (("optimizer", ds.offload_optimizer), ("parameters", ds.offload_params))
                if on]

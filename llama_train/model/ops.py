@@ -58,6 +58,12 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     docs/performance.md).
     """
     xf = x.float()
+    if torch.compiler.is_compiling():
+        # traced: real pairs, which inductor fuses into one kernel (it generates no code for
+        # complex ops), and no layout check (a graph break: storage_offset is no tensor op)
+        x0, x1 = xf.unflatten(-1, (-1, 2)).unbind(-1)  # (B, T, heads, hd/2) each
+        c, s = cos.float()[:, None, :], sin.float()[:, None, :]  # (T, 1, hd/2)
+        return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), -1).flatten(-2).type_as(x)
     if xf.stride(-1) != 1 or xf.storage_offset() % 2:  # view_as_complex needs whole pairs
         xf = xf.clone(memory_format=torch.contiguous_format)
     xc = torch.view_as_complex(xf.unflatten(-1, (-1, 2)))  # (B, T, heads, hd/2) complex

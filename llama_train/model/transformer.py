@@ -114,7 +114,7 @@ class CoreAttention(nn.Module):
         """q (B, T, H, hd), k and v (B, S, KV, hd); ``mask``: boolean or additive, broadcast to
         (B, H, T, S), replacing ``causal``. Returns (B, T, H, hd)."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
-        gqa = k.size(1) != q.size(1)
+        gqa = bool(k.size(1) != q.size(1))  # traced with dynamic shapes: SDPA takes no SymBool
         if gqa and mask is not None and q.device.type in _MASKED_GQA_EXPANDS_KV:
             rep = q.size(1) // k.size(1)
             k, v, gqa = _repeat_kv(k, rep), _repeat_kv(v, rep), False  # (B, H, S, hd)
