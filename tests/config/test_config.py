@@ -249,6 +249,43 @@ def test_a_runs_saved_config_file_composes_onto_the_schema(tmp_path):
             load_config(dcfg)
 
 
+COMPOSITIONS = [
+    TINY,
+    [*TINY, "deepspeed=zero3", "optim.lr=0.002", "+trainer.nothing=1"],
+    ["experiment=compute_optimal", "scaling.flops=1e18", "hydra.job.name=x"],
+    ["model=nope"],
+    [*TINY, "optim.lr=[1"],
+]
+
+
+@pytest.mark.parametrize("overrides", COMPOSITIONS, ids=[" ".join(o[-2:]) for o in COMPOSITIONS])
+def test_remembered_compositions_are_hydras_own(overrides, monkeypatch):
+    """conftest.remember_compositions hands out what Hydra composes without it (the Hydra
+    node included), the first time and the next, and fails as Hydra does."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal import config_loader_impl as loader
+    from omegaconf import OmegaConf
+
+    from llama_train.paths import CONFIG_DIR
+
+    def composed():
+        try:
+            with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+                cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+            return OmegaConf.to_container(cfg)
+        except Exception as e:  # the same failure, said the same way
+            return type(e), str(e)
+
+    remembered = [composed(), composed()]
+    steps = loader.ConfigLoaderImpl._compose_config_from_defaults_list
+    monkeypatch.setattr(loader, "create_defaults_list",
+                        getattr(loader.create_defaults_list, "__wrapped__",
+                                loader.create_defaults_list))
+    monkeypatch.setattr(loader.ConfigLoaderImpl, "_compose_config_from_defaults_list",
+                        getattr(steps, "__wrapped__", steps))
+    assert remembered == [composed()] * 2
+
+
 def test_measuring_the_peak_leaves_the_global_rng_alone():
     """The first run on a machine measures the peak (a matmul of random matrices), later runs
     read it from the cache: the RNG state a run seeds and saves in its checkpoints must not
