@@ -259,31 +259,36 @@ COMPOSITIONS = [
 
 
 @pytest.mark.parametrize("overrides", COMPOSITIONS, ids=[" ".join(o[-2:]) for o in COMPOSITIONS])
-def test_remembered_compositions_are_hydras_own(overrides, monkeypatch):
-    """conftest.remember_compositions hands out what Hydra composes without it (the Hydra
-    node included), the first time and the next, and fails as Hydra does."""
+def test_remembered_compositions_are_hydras_own(overrides, monkeypatch, tmp_path):
+    """tests/hydra_memo.py hands out what Hydra composes without it (the Hydra node included),
+    the first time and the next, and fails as Hydra does; from a run's saved config too, and
+    after that file changed."""
     from hydra import compose, initialize_config_dir
-    from hydra._internal import config_loader_impl as loader
     from omegaconf import OmegaConf
 
+    import hydra_memo
     from llama_train.paths import CONFIG_DIR
 
-    def composed():
+    saved = tmp_path / "config.yaml"
+    text = "defaults:\n  - llama_train_schema\n  - _self_\ntrainer:\n  max_steps: {}\n"
+
+    def composed(config_dir=CONFIG_DIR, given=overrides):
         try:
-            with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-                cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+            with initialize_config_dir(str(config_dir), version_base=None):
+                cfg = compose("config", overrides=list(given), return_hydra_config=True)
             return OmegaConf.to_container(cfg)
         except Exception as e:  # the same failure, said the same way
             return type(e), str(e)
 
-    remembered = [composed(), composed()]
-    steps = loader.ConfigLoaderImpl._compose_config_from_defaults_list
-    monkeypatch.setattr(loader, "create_defaults_list",
-                        getattr(loader.create_defaults_list, "__wrapped__",
-                                loader.create_defaults_list))
-    monkeypatch.setattr(loader.ConfigLoaderImpl, "_compose_config_from_defaults_list",
-                        getattr(steps, "__wrapped__", steps))
-    assert remembered == [composed()] * 2
+    def all_of_them():
+        saved.write_text(text.format(7))
+        out = [composed(), composed(tmp_path, ["trainer.seed=3"])]
+        saved.write_text(text.format(9))  # the same size, at once: its bytes tell
+        return out + [composed(tmp_path, ["trainer.seed=3"])]
+
+    remembered = [all_of_them(), all_of_them()]
+    hydra_memo.undone(monkeypatch)
+    assert remembered[0] == remembered[1] == all_of_them()
 
 
 def test_measuring_the_peak_leaves_the_global_rng_alone():
