@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
@@ -291,6 +291,14 @@ def shape_for_params(
     return make(dim, layers)
 
 
+@lru_cache(maxsize=None)
+def _family_depths(dim: int, band: float) -> Tuple[int, ...]:
+    """The depths (1-256) of width ``dim`` within ``band`` (:func:`in_family`): the same in
+    every search, and 256 calls each, so worked out once per process (a study plans hundreds
+    of shapes)."""
+    return tuple(d for d in range(1, 257) if in_family(dim, d, band))
+
+
 def _make_shape(dim: int, layers: int, *, vocab_size: int, max_seq_len: int, tie_embeddings: bool) -> "ModelArgs":
     from llama_train.model import ModelArgs
 
@@ -318,7 +326,7 @@ def _search_dims(
         c1 = count_params(make(dim, 1))[count]
         per_layer = count_params(make(dim, 2))[count] - c1
         base = c1 - per_layer
-        depths = [d for d in range(1, 257) if in_family(dim, d, band)]
+        depths = _family_depths(dim, band)
         if not depths or (target - base) / per_layer < 0.5:  # none, or even one layer is too many
             continue
         layers = min(depths, key=lambda d: abs(base + d * per_layer - target))

@@ -249,6 +249,48 @@ def test_a_runs_saved_config_file_composes_onto_the_schema(tmp_path):
             load_config(dcfg)
 
 
+COMPOSITIONS = [
+    TINY,
+    [*TINY, "deepspeed=zero3", "optim.lr=0.002", "+trainer.nothing=1"],
+    ["experiment=compute_optimal", "scaling.flops=1e18", "hydra.job.name=x"],
+    ["model=nope"],
+    [*TINY, "optim.lr=[1"],
+]
+
+
+@pytest.mark.parametrize("overrides", COMPOSITIONS, ids=[" ".join(o[-2:]) for o in COMPOSITIONS])
+def test_remembered_compositions_are_hydras_own(overrides, monkeypatch, tmp_path):
+    """tests/hydra_memo.py hands out what Hydra composes without it (the Hydra node included),
+    the first time and the next, and fails as Hydra does; from a run's saved config too, and
+    after that file changed."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import hydra_memo
+    from llama_train.paths import CONFIG_DIR
+
+    saved = tmp_path / "config.yaml"
+    text = "defaults:\n  - llama_train_schema\n  - _self_\ntrainer:\n  max_steps: {}\n"
+
+    def composed(config_dir=CONFIG_DIR, given=overrides):
+        try:
+            with initialize_config_dir(str(config_dir), version_base=None):
+                cfg = compose("config", overrides=list(given), return_hydra_config=True)
+            return OmegaConf.to_container(cfg)
+        except Exception as e:  # the same failure, said the same way
+            return type(e), str(e)
+
+    def all_of_them():
+        saved.write_text(text.format(7))
+        out = [composed(), composed(tmp_path, ["trainer.seed=3"])]
+        saved.write_text(text.format(9))  # the same size, at once: its bytes tell
+        return out + [composed(tmp_path, ["trainer.seed=3"])]
+
+    remembered = [all_of_them(), all_of_them()]
+    hydra_memo.undone(monkeypatch)
+    assert remembered[0] == remembered[1] == all_of_them()
+
+
 def test_measuring_the_peak_leaves_the_global_rng_alone():
     """The first run on a machine measures the peak (a matmul of random matrices), later runs
     read it from the cache: the RNG state a run seeds and saves in its checkpoints must not

@@ -424,7 +424,8 @@ def test_the_entry_point_and_config_import_no_torch():
 # its directory on sys.path), so basenames are unique.
 TESTS = PACKAGE.parent / "tests"
 TEST_DIRS = PACKAGES | {"system"}
-SHARED = {"conftest.py", "helpers.py", "warm_ranks.py", "bench_warm_ranks.py"}  # tests/ itself
+SHARED = {"conftest.py", "helpers.py", "hydra_memo.py", "warm_ranks.py",
+          "bench_warm_ranks.py"}  # tests/ itself
 SHARED_DIRS = {"workers"}  # scripts the tests start, not tests
 
 

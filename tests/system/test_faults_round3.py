@@ -70,6 +70,17 @@ def small_data(tmp_path_factory) -> str:
     return docs_prepared(tmp_path_factory.mktemp("round3_data"), 1024)
 
 
+@pytest.fixture
+def quick_worker_checks(monkeypatch):
+    """torch's DataLoader finds a worker that ended without a word (an exit code; a signal whose
+    SIGCHLD came while the loader was not reading) at its check of the workers, made each
+    MP_STATUS_CHECK_INTERVAL (5 s) that it waits for a batch: each 0.1 s here, so these tests
+    do not wait 5 s for it (what they check is what the loader then says)."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter as iterator
+
+    monkeypatch.setattr(iterator._try_get_data, "__defaults__", (0.1,))
+
+
 def _read_until_error(loader, batches: int = 200):
     it = iter(loader)
     for _ in range(batches):
@@ -77,6 +88,7 @@ def _read_until_error(loader, batches: int = 200):
 
 
 @pytest.mark.parametrize("sig", ["SIGSEGV", "SIGBUS", "SIGKILL"])
+@pytest.mark.usefixtures("quick_worker_checks")
 def test_a_worker_killed_by_a_signal_is_named_by_the_loader(small_data, sig):
     """Loader level: the worker's death comes out of the next read as DataWorkerDied (exit 6)
     naming the worker, the signal, its likely cause and data.num_workers / trainer.micro_batch,
@@ -113,6 +125,7 @@ def _oom_in_worker(self, samples):
 
 
 @pytest.mark.parametrize("how", ["exit code", "MemoryError"])
+@pytest.mark.usefixtures("quick_worker_checks")
 def test_a_worker_that_exits_or_runs_out_of_memory_is_named(small_data, monkeypatch, how):
     from llama_train.data import TrainLoader
     from llama_train.data import loader as loader_module
