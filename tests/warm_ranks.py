@@ -11,11 +11,16 @@ For ``deepspeed ...`` the forked process runs DeepSpeed's own runner (``bin/deep
 starts DeepSpeed's own launcher (``deepspeed.launcher.launch``), which starts the ranks: the
 launcher's code decides every variable and argument a rank gets, its exit codes, its SIGTERM to
 the other ranks when one fails, exactly as under the real command. Only process creation
-changes: their ``subprocess.Popen`` of a ``python -u -m MOD`` command forks this warm interpreter
-(:class:`ForkedPopen`); anything else is exec'd for real. Signals, exit codes, kills and hangs
-happen to real processes. ``tests/system/test_warm_ranks.py`` records what the real launcher gives a
-rank (environment, ``sys.argv``, ``sys.orig_argv``, ``sys.path``, working directory, its and its
-launcher's command lines, what llama_train reads from them) and fails if this gives anything
+changes: their ``subprocess.Popen`` is :class:`ForkedPopen`, a ``Popen`` whose child, when it is
+a command of this interpreter, is forked from it instead of exec'd, with the descriptors, working
+directory, session, signal dispositions and exit handlers exec would leave it; anything else is
+exec'd for real. The benchmarks and the kill -9 drill, which launch jobs to measure or check
+something else, get it too (:data:`CHILDREN_FORKED_MODULES`), whatever ``Popen`` form they use
+(``run``, ``call``, pipes, ``capture_output``, ``cwd``, ``start_new_session``...). Signals, exit
+codes, kills and hangs happen to real processes. ``tests/system/test_warm_ranks.py`` records what
+the real launcher gives a rank, and what an exec'd child of ``Popen`` gets (environment,
+``sys.argv``, ``sys.orig_argv``, ``sys.path``, working directory, command lines, descriptors,
+session, signal dispositions, what llama_train reads from them) and fails if this gives anything
 different.
 
 What cannot be the same, and why it does not matter to the tests that use it:
@@ -28,6 +33,11 @@ What cannot be the same, and why it does not matter to the tests that use it:
   import) is exec'd for real instead (:func:`warm_enough`); what those imports write into the
   environment (DeepSpeed sets ``PYTORCH_NVML_BASED_CUDA_CHECK``) is set in each command as its
   own imports would set it;
+* ``MALLOC_MMAP_THRESHOLD_`` (llama-bench memory's ranks) is applied as glibc applies it at
+  start-up, ``mallopt``, but over the heap the parent's imports left, not an empty one (the bench
+  measures the peak above the idle process, after those imports either way);
+* modules a command imported stay imported in the processes it forks (``runpy`` runs the
+  child's ``__main__`` afresh);
 * the parent's command line is padded (``--pad``) so that a forked process can write its own
   command line over it (as ``setproctitle`` does); ``/proc/<pid>/cmdline`` then ends in empty
   arguments;
@@ -43,18 +53,23 @@ The tests that launch through this are those where the launcher is not the subje
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
+import faulthandler
 import gc
+import inspect
 import json
 import os
 import select
+import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from typing import Dict, List, Optional
+import weakref
+from typing import Dict, List, Optional, Tuple
 
 # What the ranks import, imported once by the parent (the rest of llama_train comes with these).
 # torch._dynamo: every rank imports it (torch.optim's AdamW asks it), 1-4 CPU-s a process.
@@ -75,10 +90,15 @@ RUNTIME_VARS = frozenset({
     "WANDB_ENTITY", "WANDB_API_KEY", "WANDB_SILENT", "WANDB_RUN_ID", "WANDB_RESUME",
     "LLAMA_TRAIN_PROBE_OUT", "LLAMA_TRAIN_PROBE_EXIT", "PYTEST_CURRENT_TEST",
     "HANG_WORKER_STOP",  # tests/workers/hang_worker.py: read as a step runs
+    "LLAMA_BENCH_TURNS",  # llama_train.bench.lockstep: its workers' turn pipes, read at start
     "PATH", "T",  # tests/system/test_docs_commands.py: the venv first on PATH, its tiny arguments
     # read when used, not on import: torch._inductor's cache_dir(), llama_train.paths.cache_dir()
     "TORCHINDUCTOR_CACHE_DIR", "LLAMA_TRAIN_CACHE",
 })
+
+# Variables the C library reads at start-up, which a forked command applies itself the same
+# way (glibc's MALLOC_MMAP_THRESHOLD_: llama-bench memory's ranks): :func:`_apply_start_vars`.
+START_VARS = frozenset({"MALLOC_MMAP_THRESHOLD_"})
 
 PAD = 32768  # bytes of command line a forked process can write its own over
 
@@ -132,15 +152,33 @@ def plan(cmd: List[str]) -> Optional[dict]:
     return None
 
 
-_BASE: Dict[str, object] = {}  # the parent's environment and sys.path, as it started
+_BASE: Dict[str, object] = {}  # the parent's environment, sys.path, handlers..., as it started
 _PRIVATE: List[int] = []  # the parent's own descriptors, closed in what it forks
+_EXIT_HANDLERS: List[tuple] = []  # (func, args, kwargs): what the imports gave atexit, in order
+
+# Commands whose own subprocesses are forked too (:class:`ForkedPopen` as their
+# ``subprocess.Popen``): DeepSpeed's runner and launcher, which start the ranks, and the
+# benchmarks and the kill -9 drill, which launch jobs (``deepspeed``, a ``python -m`` worker) as
+# the means of measuring or checking something else: memory, saves, steps, bandwidth, resumes.
+# Not ``llama-bench startup`` (interpreter start-up is what it measures), not
+# ``llama_train.bench.data`` (its cold prepare times a fresh process), not
+# ``llama_train.scaling.study`` (it launches from a pool of threads: a fork copies one thread).
+CHILDREN_FORKED_MODULES = ("llama_train.bench.memory", "llama_train.bench.checkpoint",
+                           "llama_train.bench.train", "llama_train.bench.allreduce",
+                           "tests.workers.popen_probe")  # test_warm_ranks.py's contract
+CHILDREN_FORKED_BENCHES = ("memory", "checkpoint", "train", "allreduce")  # llama-bench NAME
+CHILDREN_FORKED_SCRIPTS = ("deepspeed", "ds", "fault_inject.py")  # launch/fault_inject.py
 
 
-def _launcher(how: dict) -> bool:
-    """DeepSpeed's runner (the ``deepspeed`` script) or its launcher module."""
+def _forks_children(how: dict) -> bool:
+    """Whether the command ``how`` runs gets :class:`ForkedPopen` (the lists above)."""
     if "module" in how:
-        return how["module"].startswith("deepspeed.launcher.")
-    return os.path.basename(how["script"]) in ("deepspeed", "ds")
+        return (how["module"].startswith("deepspeed.launcher.")
+                or how["module"] in CHILDREN_FORKED_MODULES)
+    name = os.path.basename(how["script"])
+    if name == "llama-bench":
+        return how["args"][:1] != [] and how["args"][0] in CHILDREN_FORKED_BENCHES
+    return name in CHILDREN_FORKED_SCRIPTS
 
 
 def warm_enough(env: Dict[str, str]) -> Optional[str]:
@@ -152,8 +190,18 @@ def warm_enough(env: Dict[str, str]) -> Optional[str]:
             continue
         if k in imported and env.get(k) == imported[k]:
             continue  # what the command's own import would set
+        if k in START_VARS and k not in base and env[k].isdigit():
+            continue  # applied as the C library's start-up applies it (_apply_start_vars)
         return f"{k} differs from the warm parent's"
     return None
+
+
+def _apply_start_vars(env: Dict[str, str]) -> None:
+    """What the C library does at start-up with :data:`START_VARS`: ``MALLOC_MMAP_THRESHOLD_``
+    is glibc's ``mallopt(M_MMAP_THRESHOLD, n)`` (a fixed threshold, as the variable sets it)."""
+    value = env.get("MALLOC_MMAP_THRESHOLD_")
+    if value is not None and value != _BASE["env"].get("MALLOC_MMAP_THRESHOLD_"):
+        ctypes.CDLL(None).mallopt(-3, int(value))  # M_MMAP_THRESHOLD
 
 
 def _set_cmdline(argv: List[str]) -> None:
@@ -184,6 +232,15 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
+def _stdio(unbuffered: bool) -> None:
+    """sys.stdout and sys.stderr buffered as the interpreter's start-up buffers them: ``-u`` or
+    ``PYTHONUNBUFFERED``, written through; else stdout line-buffered on a terminal only,
+    stderr always."""
+    for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+        line = not unbuffered and (fd == 2 or os.isatty(fd))
+        stream.reconfigure(write_through=unbuffered, line_buffering=line)
+
+
 def run_here(cmd: List[str], env: Dict[str, str], how: dict) -> int:
     """Become ``cmd``: its environment, arguments, command line and ``sys.path``; run its
     module as ``__main__``; leave as the interpreter would (non-daemon threads joined, exit
@@ -194,12 +251,11 @@ def run_here(cmd: List[str], env: Dict[str, str], how: dict) -> int:
     os.environ.update(env)
     for k, v in _BASE["import_env"].items():  # as the command's own imports would set them
         os.environ.setdefault(k, v)
+    _apply_start_vars(env)
     _set_cmdline(how["cmdline"])
     sys.orig_argv = list(how["cmdline"])
     sys.executable = how["executable"]
-    if how["unbuffered"]:
-        for stream in (sys.stdout, sys.stderr):
-            stream.reconfigure(write_through=True)
+    _stdio(how["unbuffered"] or bool(env.get("PYTHONUNBUFFERED")))
     import random
 
     random.seed()  # a fresh interpreter seeds from the OS; forks would share the parent's state
@@ -208,10 +264,8 @@ def run_here(cmd: List[str], env: Dict[str, str], how: dict) -> int:
     _restore_log_levels(_BASE["log_levels"])
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-    if _launcher(how):
-        subprocess.Popen = ForkedPopen  # the launcher it starts and the ranks are forked too
-    else:
-        subprocess.Popen = _REAL_POPEN
+    # the launcher it starts, the ranks, a benchmark's jobs: forked too (_forks_children)
+    subprocess.Popen = ForkedPopen if _forks_children(how) else _REAL_POPEN
     code = 0
     try:
         if "module" in how:
@@ -268,14 +322,55 @@ def _restore_log_levels(levels: Dict[str, tuple]) -> None:
             h.setLevel(hl)
 
 
-def _child(cmd, env, how, stdout=None, stderr=None) -> None:
-    """In a freshly forked process: exec-like set-up, then :func:`run_here`; never returns."""
+def _fresh_signals() -> None:
+    """Each signal's disposition as exec and then the interpreter's start-up leave it: a handler
+    of the caller's is gone, a signal it ignores stays ignored (but SIGPIPE and SIGXFSZ, which
+    the start-up ignores whatever came), the rest as the warm parent's start-up and imports
+    set them; faulthandler off unless the warm parent had it on."""
+    if faulthandler.is_enabled() and not _BASE["faulthandler"]:
+        faulthandler.disable()
+    for s, base in _BASE["signals"].items():
+        try:
+            faulthandler.unregister(s)  # a user signal the caller had it dump stacks on
+        except (RuntimeError, ValueError):
+            pass
+        now = signal.getsignal(s)
+        if now == signal.SIG_IGN and s not in (signal.SIGPIPE, signal.SIGXFSZ):
+            want = signal.SIG_IGN
+        elif base == signal.SIG_IGN and s not in (signal.SIGPIPE, signal.SIGXFSZ):
+            # ignored in the warm parent only: exec'd from a caller that handles it, it would
+            # start with the default (SIGINT: the interpreter's KeyboardInterrupt)
+            want = signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL
+        else:
+            want = base
+        if want is not None and now != want:
+            signal.signal(s, want)
+
+
+def _fresh_exit_handlers() -> None:
+    """Only the exit handlers a fresh interpreter's imports register: none of the caller's
+    (its atexit functions, its ``weakref.finalize`` objects, a ``TemporaryDirectory``'s cleanup
+    among them, would run again at this process's exit)."""
+    if _BASE["exit_handlers_known"]:
+        atexit._clear()  # noqa: SLF001
+        for func, args, kwargs in _EXIT_HANDLERS:
+            atexit.register(func, *args, **kwargs)
+    for f in list(weakref.finalize._registry):  # noqa: SLF001
+        if f not in _BASE["finalizers"]:
+            f.detach()
+    threading._threading_atexits[:] = _BASE["threading_atexits"]  # noqa: SLF001
+
+
+def _child(cmd, env, how, prepare) -> None:
+    """In a freshly forked process: ``prepare()`` (its descriptors, directory, session, as exec
+    would leave them), the rest of a fresh interpreter's state, then :func:`run_here`; never
+    returns."""
     code = 1
     try:
-        if stdout is not None:
-            os.dup2(stdout, 1)
-        if stderr is not None:
-            os.dup2(stderr, 2)
+        gc.freeze()  # the caller's objects: never collected here (its files never flushed twice)
+        prepare()
+        _fresh_signals()
+        _fresh_exit_handlers()
         code = run_here(cmd, env, how)
     except BaseException:  # noqa: BLE001 - nothing may return into the parent's code
         traceback.print_exc()
@@ -283,12 +378,34 @@ def _child(cmd, env, how, stdout=None, stderr=None) -> None:
         _leave(code)
 
 
-def _fd(stream) -> Optional[int]:
-    if stream is None:
-        return None
-    if stream == subprocess.STDOUT:
-        return 1
-    return stream if isinstance(stream, int) else stream.fileno()
+def _wire(p2cread: int, c2pwrite: int, errwrite: int) -> None:
+    """Descriptors 0, 1 and 2 as ``Popen``'s child gets them (``_posixsubprocess``'s
+    ``child_exec``: a descriptor already in place made inheritable, one in the way dup'd first)."""
+    if c2pwrite == 0:
+        c2pwrite = os.dup(c2pwrite)
+    while errwrite in (0, 1):
+        errwrite = os.dup(errwrite)
+    for fd, target in ((p2cread, 0), (c2pwrite, 1), (errwrite, 2)):
+        if fd == target:
+            os.set_inheritable(fd, True)
+        elif fd != -1:
+            os.dup2(fd, target)
+
+
+def _close_fds(close_fds: bool, keep) -> None:
+    """Close what exec would: with ``close_fds`` every descriptor but 0, 1, 2 and ``keep``
+    (``pass_fds``, made inheritable), else the close-on-exec ones."""
+    keep = set(keep)
+    for fd in keep:
+        os.set_inheritable(fd, True)
+    for fd in sorted(int(x) for x in os.listdir("/proc/self/fd")):
+        if fd in keep:
+            continue
+        try:
+            if (close_fds and fd > 2) or not os.get_inheritable(fd):
+                os.close(fd)
+        except OSError:
+            pass  # the listing's own descriptor, gone with it
 
 
 class _Signals:
@@ -305,63 +422,128 @@ class _Signals:
         self.send_signal(signal.SIGKILL)
 
 
-class ForkedPopen(_Signals):
-    """``subprocess.Popen`` for DeepSpeed's runner and launcher: a ``python -u -m MOD`` command
-    whose environment the warm interpreter can run is forked, anything else started by the real
-    ``Popen``. Has what the runner and the launcher use: pid, poll, wait, returncode,
-    send_signal, terminate, kill."""
+_REAL_POPEN = subprocess.Popen
+# Popen._execute_child's parameters (POSIX, Python 3.11), in order; another signature: never fork
+_EXEC_ARGS = ("args", "executable", "preexec_fn", "close_fds", "pass_fds", "cwd", "env",
+              "startupinfo", "creationflags", "shell", "p2cread", "p2cwrite", "c2pread",
+              "c2pwrite", "errread", "errwrite", "restore_signals", "gid", "gids", "uid", "umask",
+              "start_new_session", "process_group")
+_CAN_FORK = tuple(inspect.signature(_REAL_POPEN._execute_child).parameters)[1:] == _EXEC_ARGS
 
-    def __new__(cls, args, *a, env=None, stdout=None, stderr=None, **kw):
-        how = plan(list(args)) if not a and not kw else None
-        env = dict(os.environ if env is None else env)
-        if how is None or warm_enough(env) is not None:
-            return _REAL_POPEN(args, *a, env=env, stdout=stdout, stderr=stderr, **kw)
-        self = super().__new__(cls)
-        self.args, self.returncode = list(args), None
-        out, err = _fd(stdout), _fd(stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
+
+def _fork_plan(c: dict) -> Tuple[Optional[tuple], Optional[str]]:
+    """``((how, cmd, env), None)`` when the child ``Popen`` was asked for (``c``: its
+    ``_execute_child`` arguments) can be forked; ``(None, why)`` when exec must start it (``why``
+    None: not a command of this interpreter, or asked for what only exec does)."""
+    if (not _CAN_FORK or c["shell"] or c["executable"] is not None or c["preexec_fn"] is not None
+            or (c["gid"], c["gids"], c["uid"]) != (None, None, None) or c["umask"] >= 0
+            or c["process_group"] != -1 or isinstance(c["args"], (str, bytes))):
+        return None, None
+    try:
+        cmd = [os.fsdecode(a) for a in c["args"]]
+        cwd = None if c["cwd"] is None else os.fsdecode(c["cwd"])
+        env = dict(os.environ) if c["env"] is None else \
+            {os.fsdecode(k): os.fsdecode(v) for k, v in c["env"].items()}
+    except TypeError:
+        return None, None
+    if cwd is not None and not os.path.isdir(cwd):
+        return None, None  # exec's machinery raises as it would
+    if cwd is not None and os.path.realpath(cwd) != os.getcwd() and \
+            not all(os.path.isabs(a) for a in cmd[:1] + [a for a in cmd[1:] if a.endswith(".py")]):
+        return None, None  # a path relative to the child's directory: plan() reads ours
+    how = plan(cmd)
+    if how is None:
+        return None, None
+    threads = _threads()  # a fork copies one thread: any other's locks could stay held
+    why = warm_enough(env) or (None if threads == 1 else f"{threads} threads here")
+    return (None, why) if why else ((how, cmd, env), None)
+
+
+class ForkedPopen(_REAL_POPEN):
+    """``subprocess.Popen`` (and so ``run``, ``call``, ``check_output``...) whose child, a
+    command :func:`plan` recognises with an environment :func:`warm_enough` admits, is forked
+    from this warm interpreter instead of exec'd: descriptors, directory, session, signals and
+    exit handlers as exec would leave them (:func:`_child`). Any other child (a shell,
+    ``preexec_fn``, ``executable=``, another user, a process with threads...) is exec'd by
+    ``Popen``'s own machinery. Popen does the rest as for an exec'd child: pipes, pid, wait,
+    poll, communicate, signals."""
+
+    def _execute_child(self, *a):
+        c = dict(zip(_EXEC_ARGS, a))
+        fork, why = _fork_plan(c)
+        if fork is None:
+            # LLAMA_TRAIN_TEST_WARM=require: a command of ours that cannot be forked says why
+            if why and os.environ.get("LLAMA_TRAIN_TEST_WARM") == "require":
+                raise RuntimeError(f"not forked ({why}): {shlex.join(map(str, c['args']))}")
+            return super()._execute_child(*a)
+        how, cmd, env = fork
+        sys.audit("subprocess.Popen", cmd[0], cmd, c["cwd"], c["env"])
+        for stream in (sys.stdout, sys.stderr):  # else the child would write them out again
+            stream.flush()
+
+        def prepare() -> None:
+            _wire(c["p2cread"], c["c2pwrite"], c["errwrite"])
+            if c["cwd"] is not None:
+                os.chdir(c["cwd"])
+            if c["start_new_session"]:
+                os.setsid()
+            _close_fds(c["close_fds"], c["pass_fds"])
+
         pid = os.fork()
         if pid == 0:
-            _child(self.args, env, how, out, err)
+            _child(cmd, env, how, prepare)
         self.pid = pid
-        return self
-
-    def __init__(self, *a, **kw):
-        pass
-
-    def _status(self, status: int) -> int:
-        self.returncode = (-os.WTERMSIG(status) if os.WIFSIGNALED(status)
-                           else os.WEXITSTATUS(status))
-        return self.returncode
-
-    def poll(self) -> Optional[int]:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                return self.returncode
-            if pid:
-                self._status(status)
-        return self.returncode
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        end = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if end is not None and time.monotonic() > end:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.01)
-        return self.returncode
-
-
-
-_REAL_POPEN = subprocess.Popen
+        self._child_created = True
+        self._close_pipe_fds(c["p2cread"], c["p2cwrite"], c["c2pread"], c["c2pwrite"],
+                             c["errread"], c["errwrite"])
 
 
 # --------------------------------------------------------------------------- the warm parent
 
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
+
+
+@contextlib.contextmanager
+def _recording_exit_handlers():
+    """``atexit.register`` and ``unregister`` recorded in :data:`_EXIT_HANDLERS` meanwhile (the
+    imports' handlers: what a forked command starts with, :func:`_fresh_exit_handlers`)."""
+    register, unregister = atexit.register, atexit.unregister
+    recording = [True]
+
+    def reg(func, *args, **kwargs):
+        if recording[0]:
+            _EXIT_HANDLERS.append((func, args, kwargs))
+        return register(func, *args, **kwargs)
+
+    def unreg(func):
+        if recording[0]:
+            _EXIT_HANDLERS[:] = [h for h in _EXIT_HANDLERS if h[0] != func]
+        return unregister(func)
+
+    atexit.register, atexit.unregister = reg, unreg
+    try:
+        yield
+    finally:
+        recording[0] = False
+        atexit.register, atexit.unregister = register, unregister
+
+
+def _record_base(here: str) -> None:
+    """What a fresh interpreter has after the imports, for :func:`run_here` and :func:`_child`
+    to give each command: environment, ``sys.path``, loggers, signals, exit handlers."""
+    # what the imports set in the environment (DeepSpeed: PYTORCH_NVML_BASED_CUDA_CHECK=1)
+    _BASE["import_env"] = {k: v for k, v in os.environ.items() if _BASE["env"].get(k) != v}
+    extra = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    _BASE["site_path"] = [p for p in sys.path[1:] if p != here and p not in extra]
+    _BASE["log_levels"] = _log_levels()
+    _BASE["signals"] = {s: signal.getsignal(s) for s in signal.valid_signals()
+                        if s not in (signal.SIGKILL, signal.SIGSTOP)}
+    _BASE["faulthandler"] = faulthandler.is_enabled()
+    # every handler registered went through the recording (else: a forked command keeps all)
+    _BASE["exit_handlers_known"] = atexit._ncallbacks() == len(_EXIT_HANDLERS)  # noqa: SLF001
+    _BASE["finalizers"] = set(weakref.finalize._registry)  # noqa: SLF001
+    _BASE["threading_atexits"] = list(threading._threading_atexits)  # noqa: SLF001
 
 
 def serve() -> None:
@@ -380,13 +562,10 @@ def serve() -> None:
     _PRIVATE.append(out)
     os.dup2(2, 1)
     _BASE["env"] = dict(os.environ)
-    for name in PRELOAD:
-        importlib.import_module(name)
-    # what the imports set in the environment (DeepSpeed: PYTORCH_NVML_BASED_CUDA_CHECK=1)
-    _BASE["import_env"] = {k: v for k, v in os.environ.items() if _BASE["env"].get(k) != v}
-    extra = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
-    _BASE["site_path"] = [p for p in sys.path[1:] if p != here and p not in extra]
-    _BASE["log_levels"] = _log_levels()
+    with _recording_exit_handlers():
+        for name in PRELOAD:
+            importlib.import_module(name)
+    _record_base(here)
     threads = _threads()  # a fork copies one thread: any other's locks could stay held
     # what the imports made, out of the collector's sight: a child's collections would walk
     # (and copy-on-write) the whole inherited heap, ~1 CPU-s per process
@@ -464,22 +643,21 @@ def _warm_inductor(env: Dict[str, str]) -> None:
 
 
 def _start(req: dict, how: dict) -> int:
+    def prepare() -> None:  # as helpers.start's Popen: own session, /dev/null in, log out
+        os.setsid()
+        for fd in _PRIVATE:
+            os.close(fd)
+        log = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        for fd, target in ((null, 0), (log, 1), (log, 2)):
+            os.dup2(fd, target)
+        os.close(log)
+        os.close(null)
+        os.chdir(req["cwd"])
+
     pid = os.fork()
     if pid == 0:
-        code = 1
-        try:
-            os.setsid()
-            for fd in _PRIVATE:
-                os.close(fd)
-            log = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            os.chdir(req["cwd"])
-            _child(req["cmd"], req["env"], how, log, log)
-        except BaseException:  # noqa: BLE001
-            traceback.print_exc()
-        finally:
-            _leave(code)
+        _child(req["cmd"], req["env"], how, prepare)
     for _ in range(10000):  # its own session before the client may signal its group
         try:
             if os.getpgid(pid) == pid:

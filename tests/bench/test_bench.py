@@ -233,7 +233,11 @@ def test_memory_bench_skips_what_cannot_fit(monkeypatch, capsys):
 def test_gpu_mem_advice_holds_on_cpu_ranks(tmp_path):
     """llama-plan's fit advice, checked by measurement on 2 CPU ranks: with a limit between the
     predicted peaks of ZeRO-0 and ZeRO-1 (small model, bf16), ZeRO-0 does not fit and the advice
-    is the next stage; the real ZeRO-0 run measures above the limit, the advised one below."""
+    is the next stage; the real ZeRO-0 run measures above the limit, the advised one below.
+    ``llama-bench memory`` runs forked from the warm parent, and so do the DeepSpeed launches it
+    measures (tests/warm_ranks.py: each rank's peak is read above its own idle baseline)."""
+    from helpers import BIN, run
+
     from llama_train.model import ModelArgs
     from llama_train.scaling import fit_advice, rank_peak_memory
 
@@ -247,8 +251,8 @@ def test_gpu_mem_advice_holds_on_cpu_ranks(tmp_path):
     assert not advice["fits"] and advice["suggestion"]["change"] == "higher ZeRO stage (ZeRO-1)"
     advised = advice["suggestion"]["settings"]
     out = tmp_path / "mem.json"
-    mem_bench.main([*shape, "--stages", f"0,{advised['zero_stage']}", "--nprocs", "2",
-                    "--json", str(out)])
+    run([str(BIN / "llama-bench"), "memory", *shape, "--stages", f"0,{advised['zero_stage']}",
+         "--nprocs", "2", "--json", str(out)], tmp_path / "bench.log", warm=True)
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["0"]["peak_above_idle"] > limit, (rows["0"]["peak_above_idle"], limit)
     assert rows[str(advised["zero_stage"])]["peak_above_idle"] < limit

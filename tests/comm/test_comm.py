@@ -1,7 +1,9 @@
 """llama_train.comm, the all-reduce benchmark and the launch scripts.
 
 Multi-process tests start the real `deepspeed` launcher over gloo (DS_ACCELERATOR=cpu), each in
-its own session that is killed whole whatever happens.
+its own session that is killed whole whatever happens; the all-reduce benchmark's relaunch of
+itself runs forked from the warm parent (tests/warm_ranks.py), DeepSpeed's runner and launcher
+deciding its ranks as the real command does.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 from llama_train.bench import allreduce as bench
 from llama_train.comm import CommConfig, apply_env, configure_backend, normalize_nccl_algo, ring_all_reduce
+import helpers
 from helpers import BIN, REPO, WORKERS, free_port
 
 WORKER = WORKERS / "comm_worker.py"
@@ -279,12 +282,15 @@ def test_ring_matches_all_reduce_three_ranks():
 
 @pytest.mark.slow
 def test_bench_relaunches_itself_and_reports_busbw(tmp_path):
-    """`python -m llama_train.bench.allreduce --nprocs 3` goes through the deepspeed launcher."""
-    out_json = tmp_path / "bench.json"
+    """`python -m llama_train.bench.allreduce --nprocs 3` goes through the deepspeed launcher.
+    The bench runs forked from the warm parent, and so does the launch of itself it makes
+    (DeepSpeed's runner and launcher deciding the ranks: tests/warm_ranks.py)."""
+    out_json, log = tmp_path / "bench.json", tmp_path / "bench.log"
     sizes = [4, 12, 20, 4100]  # 1, 3, 5, 1025 floats: numel < world and not divisible by 3
-    out = run_launched([sys.executable, "-m", "llama_train.bench.allreduce", "--nprocs", "3",
-                        "--sizes", ",".join(map(str, sizes)), "--warmup", "1", "--iters", "3",
-                        "--json", str(out_json)])
+    helpers.run([sys.executable, "-m", "llama_train.bench.allreduce", "--nprocs", "3",
+                 "--sizes", ",".join(map(str, sizes)), "--warmup", "1", "--iters", "3",
+                 "--json", str(out_json)], log, LAUNCH_TIMEOUT_S, warm=True)
+    out = log.read_text()
     report = json.loads(out_json.read_text())
     meta, rows = report["meta"], report["results"]
     n = 3

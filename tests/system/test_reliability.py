@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from helpers import (REPO, TINY, WORKERS, _env, launcher_cmd, losses, losses_so_far, metrics,
-                     rank_pid, spawn, tail, tiny_prepared, train, wait_for)
+                     rank_pid, run, spawn, tail, tiny_prepared, train, wait_for)
 from llama_train.checkpoint import find_latest, load_consolidated, read_state
 
 FAULTS = "nan:batch=3;nan:batch=6;nan:batch=7;loss_scale:batch=9,factor=1000"
@@ -229,15 +229,14 @@ def test_fault_guard_and_skip_windows():
 @pytest.mark.slow
 def test_kill_9_drill(reference, runs):
     """launch/fault_inject.py: 3 SIGKILLs of the whole job (in steps and in saves), each
-    followed by a resume, then to the end: bit-identical weights and per-step losses."""
+    followed by a resume, then to the end: bit-identical weights and per-step losses. The drill
+    runs forked from the warm parent, and so do the jobs it launches and kills
+    (tests/warm_ranks.py: each a session of its own, SIGKILLed as a process group)."""
     work = runs / "drill"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "launch" / "fault_inject.py"), "--trials", "3",
+    run([sys.executable, str(REPO / "launch" / "fault_inject.py"), "--trials", "3",
          "--workdir", str(work), "--reference", str(reference), "--seed", "1", "--timeout",
          "300", "--", *TINY, "deepspeed.zero_stage=2", *SCENARIO],
-        cwd=REPO, env=_env({"LLAMA_TRAIN_FAULTS": FAULTS}), capture_output=True, text=True,
-        timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs / "drill.log", timeout=900, env={"LLAMA_TRAIN_FAULTS": FAULTS}, warm=True)
     report = json.loads((work / "report.json").read_text())
     assert report["identical"] and report["trials"] == 3 and report["kills_missed"] == 0
     assert report["kills_in_save"] >= 1 and report["kills_in_step"] >= 1

@@ -9,6 +9,7 @@ ends the job the same way: the same exit code, the other ranks stopped with SIGT
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ import pytest
 
 import helpers
 from helpers import BIN, REPO, free_port
+from warm_ranks import PAD
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     os.environ.get("LLAMA_TRAIN_TEST_WARM", "1") == "0",
@@ -44,10 +46,12 @@ def launch(port: int, *args: str, script: bool = False):
 
 
 def differences(real: dict, warm: dict) -> dict:
-    """Every field that differs (in env: every variable), but the probe's own output dir."""
+    """Every field that differs (in env: every variable), but the probe's own output dir and
+    the size of its command line's area (a forked process has the warm parent's)."""
     real, warm = json.loads(json.dumps(real)), json.loads(json.dumps(warm))
     for r in (real, warm):
         r["env"].pop("LLAMA_TRAIN_PROBE_OUT")
+        r.pop("cmdline_bytes")
     keys = set(real) | set(warm)
     out = {k: (real.get(k), warm.get(k)) for k in keys if real.get(k) != warm.get(k)}
     if "env" in out:
@@ -147,3 +151,63 @@ def test_a_variable_this_process_set_since_is_in_a_new_warm_parent(tmp_path, mon
     _, records, _, _ = probe(tmp_path / "p", cmd, warm=True)
     assert helpers.warm_server() is not first
     assert records["solo"]["env"]["LLAMA_TRAIN_TEST_DRIFT"] == "1"
+
+
+POPEN_PROBE = [sys.executable, "-m", "tests.workers.popen_probe"]
+
+
+def _popen_probe(out, warm: bool):
+    """tests/workers/popen_probe.py exec'd (its children exec'd) or forked (its children forked
+    through warm_ranks.ForkedPopen): its record and each child's."""
+    out.mkdir()
+    log = out.parent / f"{out.name}.log"
+    with helpers.spawn(POPEN_PROBE, log, {"LLAMA_TRAIN_PROBE_OUT": str(out)}, warm=warm) as p:
+        if warm:
+            assert isinstance(p, helpers.warm_server_job_type()), helpers.warm_server().why
+        assert p.wait(timeout=240) == 0, log.read_text()[-3000:]
+    kids = {form: json.loads((out / form / "solo.json").read_text()) for form in ("file", "capture")}
+    for kid in kids.values():  # the same directory, under real/ or warm/; a pipe, another one
+        kid["cwd"] = os.path.relpath(kid["cwd"], out)
+        kid["stdin"] = kid["stdin"].split(":[")[0]
+    files = sorted("atexit-PID" if p.name.startswith("atexit-") else p.name for p in out.iterdir())
+    return json.loads((out / "popen.json").read_text()), kids, files
+
+
+def test_a_child_forked_through_popen_gets_what_exec_gives(tmp_path):
+    """A forked command's own subprocess.Popen / run (the benchmarks' and the drill's launches:
+    cwd, env, stdout to a file, stderr=STDOUT, start_new_session, pass_fds, capture_output,
+    input, close_fds=False) forks its child from the warm interpreter: the child gets what exec
+    gives (environment, argv, cwd, sys.path, descriptors, session, signal dispositions) and
+    Popen gives back the same exit code and output."""
+    real, real_kids, real_files = _popen_probe(tmp_path / "real", warm=False)
+    warm, warm_kids, warm_files = _popen_probe(tmp_path / "warm", warm=True)
+    # the prober's exit handler ran once, its temporary directory was there until it ended:
+    # no child ran them
+    assert real_files == warm_files == ["atexit-PID", "capture", "file", "file-cwd", "file.log",
+                                        "popen.json"]
+    assert real == warm and real["tmp_left"]
+    for form in ("file", "capture"):
+        r, w = real_kids[form], warm_kids[form]
+        assert r["cmdline_bytes"] < PAD < w["cmdline_bytes"], form  # forked, really
+        # its parent is the prober either way; the prober's parent: this process, the warm one
+        assert set(differences(r, w)) <= {"grandparent"}, (form, differences(r, w))
+        assert r["parent"] == [*POPEN_PROBE]
+    f, c = real_kids["file"], real_kids["capture"]
+    passed, kept, closed = real["fds"]
+    # what the comparison covers, as exec gives it
+    assert real["file"]["rc"] == 0 and real["capture"]["rc"] == 3
+    assert real["file"]["output"] == "probe solo: on stdout\nprobe solo: on stderr\n"
+    assert (real["capture"]["stdout"], real["capture"]["stderr"]) == \
+        ("probe solo: on stdout\n", "probe solo: on stderr\n")
+    assert f["cwd"] == "file-cwd" and f["argv"][1:] == ["a b", "--c"]
+    assert f["path"][0] == str(REPO / "tests" / "workers") and c["path"][0] == str(REPO)
+    assert f["session_leader"] and not c["session_leader"] and f["stdout_is_stderr"]
+    assert f["fds"][str(passed)] == ["pipe", True] and {str(kept), str(closed)} - set(f["fds"]) \
+        == {str(kept), str(closed)}
+    assert c["fds"][str(kept)] == ["pipe", True] and str(closed) not in c["fds"]
+    assert c["fds"]["0"][0] == "pipe" and c["stdin_text"] == "to stdin\n"
+    sig = f["signals"]["handlers"]
+    assert (sig[str(int(signal.SIGTERM))], sig[str(int(signal.SIGUSR1))],
+            sig[str(int(signal.SIGHUP))], sig[str(int(signal.SIGINT))]) == \
+        ("SIG_DFL", "SIG_DFL", "SIG_IGN", "default_int_handler")
+    assert f["env"]["WANDB_MODE"] == "offline"

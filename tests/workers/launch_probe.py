@@ -29,6 +29,49 @@ def parent(pid: int) -> int:
     return int(stat[stat.rindex(b")") + 2:].split()[1])
 
 
+def descriptors() -> dict:
+    """Each open descriptor: what it is (a file, a pipe, /dev/null...) and whether exec would
+    pass it on."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            inheritable = os.get_inheritable(int(name))
+        except OSError:
+            continue  # the listing's own, closed with it
+        kind = target if target.startswith("/dev/") else (
+            "file" if target.startswith("/") else target.split(":")[0])
+        out[name] = [kind, inheritable]
+    return out
+
+
+def dispositions() -> dict:
+    """Each signal's handler as Python sees it, and the kernel's blocked, ignored and caught
+    sets (those hold the handlers Python does not know of too)."""
+    names = {}
+    for s in signal.valid_signals():
+        if s in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        h = signal.getsignal(s)
+        names[str(int(s))] = (h.name if isinstance(h, signal.Handlers) else
+                              "default_int_handler" if h is signal.default_int_handler else
+                              "not Python's" if h is None else "a Python function")
+    with open("/proc/self/status") as f:
+        masks = dict(line.split(":\t") for line in f.read().splitlines()
+                     if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+    return {"handlers": names, "masks": masks}
+
+
+def _cmdline_bytes() -> int:
+    with open("/proc/self/cmdline", "rb") as f:
+        return len(f.read())
+
+
+def _stdin_text() -> str:
+    """What stdin holds (a pipe's or a file's text; a terminal is not read)."""
+    return "" if os.isatty(0) else sys.stdin.read()
+
+
 def main() -> None:
     # what every rank imports (torch.optim's AdamW imports torch._dynamo): each sets a variable
     import deepspeed  # noqa: F401
@@ -54,7 +97,14 @@ def main() -> None:
         "main_spec": getattr(sys.modules["__main__"].__spec__, "name", None),  # None: a file
         # DeepSpeed's logger (and its handlers): a rank's DeepSpeed says only what a real one says
         "deepspeed_log_levels": [ds_log.level, [h.level for h in ds_log.handlers]],
+        "fds": descriptors(), "stdout_is_stderr": os.path.sameopenfile(1, 2),
+        "signals": dispositions(), "session_leader": os.getsid(0) == os.getpid(),
+        "group_leader": os.getpgid(0) == os.getpid(), "stdin_text": _stdin_text(),
+        # how much command line the process has: a forked one, the warm parent's padded area
+        "cmdline_bytes": _cmdline_bytes(),
     }
+    print(f"probe {rank}: on stdout")
+    print(f"probe {rank}: on stderr", file=sys.stderr)
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
     stop = os.environ.get("LLAMA_TRAIN_PROBE_EXIT")
