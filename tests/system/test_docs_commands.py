@@ -651,15 +651,26 @@ RUNS = [(cmd, how) for cmd, how in TABLE if isinstance(how, Run)]
 # script's own main() in a separate process that gets exactly the argv, environment and working
 # directory bash would give it, without an interpreter's start-up). The first row of each script
 # and every row with shell syntax, input on stdin or its own environment runs through bash.
+# Leading ``VAR=value`` words are the command's environment, as bash gives it.
 SHELL = set("|&;<>()$`*?[]{}~\\")
-WARM_SCRIPTS = {"llama-plan", "llama-data", "llama-bench", "llama-export", "llama-import",
-                "llama-generate", "llama-plot", "llama-eval"}
+WARM_SCRIPTS = {"llama-train", "llama-plan", "llama-data", "llama-bench", "llama-export",
+                "llama-import", "llama-generate", "llama-plot", "llama-eval"}
+
+
+def _assignments(words: List[str]) -> Tuple[Dict[str, str], List[str]]:
+    """A command's leading ``VAR=value`` words (bash's environment for it) and the rest."""
+    env = {}
+    while words and "=" in words[0] and words[0].split("=", 1)[0].isidentifier():
+        k, v = words[0].split("=", 1)
+        env[k], words = v, words[1:]
+    return env, words
 
 
 def _warm_rows() -> set:
     seen, warm = set(), set()
     for cmd, how in RUNS:
-        first = cmd.split()[0]
+        words = _assignments(cmd.split())[1]
+        first = words[0] if words else ""
         if first not in WARM_SCRIPTS:
             continue
         if first not in seen:
@@ -685,11 +696,11 @@ def _warm(cmd: str, cwd: Path, timeout: float) -> Optional[Tuple[int, str]]:
     server = warm_server()
     if server is None:
         return None
-    argv = shlex.split(cmd)
+    assigned, argv = _assignments(shlex.split(cmd))
     argv[0] = shutil.which(argv[0], path=_env()["PATH"])
     log = cwd / ".warm-row.log"
     log.write_text("")
-    job = server.start(argv, _env(), str(cwd), str(log))
+    job = server.start(argv, {**_env(), **assigned}, str(cwd), str(log))
     if job is None:
         return None
     try:
