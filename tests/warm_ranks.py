@@ -33,9 +33,11 @@ What cannot be the same, and why it does not matter to the tests that use it:
   import) is exec'd for real instead (:func:`warm_enough`); what those imports write into the
   environment (DeepSpeed sets ``PYTORCH_NVML_BASED_CUDA_CHECK``) is set in each command as its
   own imports would set it;
-* ``MALLOC_MMAP_THRESHOLD_`` (llama-bench memory's ranks) is applied as glibc applies it at
-  start-up, ``mallopt``, but over the heap the parent's imports left, not an empty one (the bench
-  measures the peak above the idle process, after those imports either way);
+* memory: a fork does not copy the page tables of file mappings (the libraries' code), so each
+  forked process maps in the file pages the parent's imports mapped (``MADV_POPULATE_READ``),
+  and its RSS counts about what an exec'd interpreter's does (within 3%; llama-bench memory
+  measures the peak above idle RSS); ``MALLOC_MMAP_THRESHOLD_`` (its ranks') is applied as glibc
+  applies it at start-up, ``mallopt``, but over the heap the parent's imports left;
 * modules a command imported stay imported in the processes it forks (``runpy`` runs the
   child's ``__main__`` afresh);
 * the parent's command line is padded (``--pad``) so that a forked process can write its own
@@ -361,6 +363,35 @@ def _fresh_exit_handlers() -> None:
     threading._threading_atexits[:] = _BASE["threading_atexits"]  # noqa: SLF001
 
 
+def _mapped_file_pages() -> List[Tuple[int, int]]:
+    """(address, length) of each run of file pages (libraries' code and data) this process has
+    mapped in: what an interpreter's imports leave mapped, which a fork does not copy (the
+    kernel maps a file's page into the child when it first touches it: into its RSS, later)."""
+    import numpy as np
+
+    page, runs = os.sysconf("SC_PAGE_SIZE"), []
+    with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb") as pagemap:
+        spans = [line.split() for line in maps]
+        for fields in spans:
+            if len(fields) < 6 or not fields[5].startswith("/"):
+                continue  # anonymous memory: a fork copies its page tables
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            pagemap.seek(start // page * 8)
+            present = np.frombuffer(pagemap.read((end - start) // page * 8), np.uint64) >> 63
+            edges = np.flatnonzero(np.diff(np.concatenate(([0], present, [0])).astype(np.int8)))
+            runs += [(start + int(a) * page, int(b - a) * page)
+                     for a, b in zip(edges[::2], edges[1::2])]
+    return runs
+
+
+def _map_file_pages() -> None:
+    """Map in the file pages the warm parent had (:func:`_mapped_file_pages`), as an exec'd
+    interpreter's imports would have: its RSS then counts what an exec'd one's does."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for addr, length in _BASE.get("file_pages", ()):
+        libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), 22)  # MADV_POPULATE_READ
+
+
 def _child(cmd, env, how, prepare) -> None:
     """In a freshly forked process: ``prepare()`` (its descriptors, directory, session, as exec
     would leave them), the rest of a fresh interpreter's state, then :func:`run_here`; never
@@ -368,6 +399,7 @@ def _child(cmd, env, how, prepare) -> None:
     code = 1
     try:
         gc.freeze()  # the caller's objects: never collected here (its files never flushed twice)
+        _map_file_pages()
         prepare()
         _fresh_signals()
         _fresh_exit_handlers()
@@ -544,6 +576,7 @@ def _record_base(here: str) -> None:
     _BASE["exit_handlers_known"] = atexit._ncallbacks() == len(_EXIT_HANDLERS)  # noqa: SLF001
     _BASE["finalizers"] = set(weakref.finalize._registry)  # noqa: SLF001
     _BASE["threading_atexits"] = list(threading._threading_atexits)  # noqa: SLF001
+    _BASE["file_pages"] = _mapped_file_pages()
 
 
 def serve() -> None:

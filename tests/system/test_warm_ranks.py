@@ -4,8 +4,11 @@ Most multi-rank tests start their jobs forked from a warm parent (helpers.train)
 run one probe both ways, through the real ``deepspeed`` command and forked, and compare what each
 rank received: its environment, sys.argv, sys.orig_argv, sys.executable, sys.path, working
 directory, its own, its launcher's and its runner's command lines, stdin, stdout's buffering, and
-what llama_train reads from them (under the launcher? the command to rerun). A rank that fails
-ends the job the same way: the same exit code, the other ranks stopped with SIGTERM."""
+what llama_train reads from them (under the launcher? the command to rerun), its descriptors,
+session and signal dispositions. A rank that fails ends the job the same way: the same exit code,
+the other ranks stopped with SIGTERM. A forked command's own ``subprocess.Popen`` (the benchmarks'
+and the kill -9 drill's launches) forks its child too: that child gets what exec gives it, and
+Popen gives back the same exit code and output."""
 
 import json
 import os
@@ -47,17 +50,25 @@ def launch(port: int, *args: str, script: bool = False):
 
 def differences(real: dict, warm: dict) -> dict:
     """Every field that differs (in env: every variable), but the probe's own output dir and
-    the size of its command line's area (a forked process has the warm parent's)."""
+    the size of its command line's area (a forked process has the warm parent's) and the file
+    pages it has mapped (compared apart: :func:`near`)."""
     real, warm = json.loads(json.dumps(real)), json.loads(json.dumps(warm))
     for r in (real, warm):
         r["env"].pop("LLAMA_TRAIN_PROBE_OUT")
         r.pop("cmdline_bytes")
+        r.pop("rss_file_kib")
     keys = set(real) | set(warm)
     out = {k: (real.get(k), warm.get(k)) for k in keys if real.get(k) != warm.get(k)}
     if "env" in out:
         r, w = out["env"]
         out["env"] = {k: (r.get(k), w.get(k)) for k in set(r) | set(w) if r.get(k) != w.get(k)}
     return out
+
+
+def near(real: dict, warm: dict) -> bool:
+    """The file pages (libraries) a process has mapped in, what its RSS counts of them, within
+    10% of an exec'd one's: a fork does not copy their page tables (warm_ranks maps them in)."""
+    return abs(warm["rss_file_kib"] - real["rss_file_kib"]) < 0.1 * real["rss_file_kib"]
 
 
 @pytest.mark.parametrize("script", [False, True], ids=["module", "file"])
@@ -71,6 +82,7 @@ def test_a_forked_rank_gets_what_the_launcher_gives(tmp_path, script):
     assert sorted(real) == sorted(warm) == ["0", "1"]
     for rank in real:
         assert differences(real[rank], warm[rank]) == {}, rank
+        assert near(real[rank], warm[rank]), rank
     r = real["0"]  # what the comparison covers, as the launcher gives it
     assert r["argv"][1:] == ["--local_rank=0", *args]
     assert r["env"]["RANK"] == "0" and r["env"]["WORLD_SIZE"] == "2"
@@ -125,6 +137,7 @@ def test_a_plain_python_m_command_is_forked_as_exec_would_run_it(tmp_path):
     # its parent is whoever started it: this test process, or the warm parent; llama_train
     # reads a parent's command line only to tell a launcher, which under_launcher compares
     assert set(differences(real["solo"], warm["solo"])) <= {"parent", "grandparent"}
+    assert near(real["solo"], warm["solo"])
     assert real["solo"]["argv"][1:] == ["a", "b c"] and not real["solo"]["under_launcher"]
 
 
@@ -177,8 +190,8 @@ def test_a_child_forked_through_popen_gets_what_exec_gives(tmp_path):
     """A forked command's own subprocess.Popen / run (the benchmarks' and the drill's launches:
     cwd, env, stdout to a file, stderr=STDOUT, start_new_session, pass_fds, capture_output,
     input, close_fds=False) forks its child from the warm interpreter: the child gets what exec
-    gives (environment, argv, cwd, sys.path, descriptors, session, signal dispositions) and
-    Popen gives back the same exit code and output."""
+    gives (environment, argv, cwd, sys.path, descriptors, session, signal dispositions, the
+    libraries' pages in its RSS) and Popen gives back the same exit code and output."""
     real, real_kids, real_files = _popen_probe(tmp_path / "real", warm=False)
     warm, warm_kids, warm_files = _popen_probe(tmp_path / "warm", warm=True)
     # the prober's exit handler ran once, its temporary directory was there until it ended:
@@ -191,6 +204,7 @@ def test_a_child_forked_through_popen_gets_what_exec_gives(tmp_path):
         assert r["cmdline_bytes"] < PAD < w["cmdline_bytes"], form  # forked, really
         # its parent is the prober either way; the prober's parent: this process, the warm one
         assert set(differences(r, w)) <= {"grandparent"}, (form, differences(r, w))
+        assert near(r, w), form
         assert r["parent"] == [*POPEN_PROBE]
     f, c = real_kids["file"], real_kids["capture"]
     passed, kept, closed = real["fds"]

@@ -62,6 +62,11 @@ def dispositions() -> dict:
     return {"handlers": names, "masks": masks}
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(f.read().split(f"{field}:")[1].split()[0])
+
+
 def _cmdline_bytes() -> int:
     with open("/proc/self/cmdline", "rb") as f:
         return len(f.read())
@@ -101,7 +106,7 @@ def main() -> None:
         "signals": dispositions(), "session_leader": os.getsid(0) == os.getpid(),
         "group_leader": os.getpgid(0) == os.getpid(), "stdin_text": _stdin_text(),
         # how much command line the process has: a forked one, the warm parent's padded area
-        "cmdline_bytes": _cmdline_bytes(),
+        "cmdline_bytes": _cmdline_bytes(), "rss_file_kib": _status_kib("RssFile"),
     }
     print(f"probe {rank}: on stdout")
     print(f"probe {rank}: on stderr", file=sys.stderr)
