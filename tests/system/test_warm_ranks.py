@@ -178,7 +178,7 @@ def _popen_probe(out, warm: bool):
         if warm:
             assert isinstance(p, helpers.warm_server_job_type()), helpers.warm_server().why
         assert p.wait(timeout=240) == 0, log.read_text()[-3000:]
-    kids = {form: json.loads((out / form / "solo.json").read_text()) for form in ("file", "capture")}
+    kids = {f: json.loads((out / f / "solo.json").read_text()) for f in ("file", "capture")}
     for kid in kids.values():  # the same directory, under real/ or warm/; a pipe, another one
         kid["cwd"] = os.path.relpath(kid["cwd"], out)
         kid["stdin"] = kid["stdin"].split(":[")[0]

@@ -6,7 +6,8 @@ them: tests/warm_ranks.py's ForkedPopen).
 Before starting them it handles SIGTERM and SIGUSR1, ignores SIGHUP, has faulthandler dump on
 SIGUSR2, registers an exit handler and holds a TemporaryDirectory and descriptors a child must
 not get: a child exec'd has none of that but the ignored SIGHUP. Each child's record goes to
-``$LLAMA_TRAIN_PROBE_OUT/<form>/solo.json``; this process's to ``$LLAMA_TRAIN_PROBE_OUT/popen.json``."""
+``$LLAMA_TRAIN_PROBE_OUT/<form>/solo.json``; this process's to
+``$LLAMA_TRAIN_PROBE_OUT/popen.json``."""
 
 import atexit
 import faulthandler
