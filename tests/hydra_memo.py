@@ -10,8 +10,10 @@ config file's bytes, group overrides) and handed out as deep copies. So is each 
 loaded (per path and bytes), and the repository copy Hydra makes for each composition shares
 the ConfigStore (which hands out copies itself) instead of copying it. The parsing of every
 override, the applying of the values and every check after them run as before (~17 ms a
-composition); a step that fails is not kept. tests/config/test_config.py
-(test_remembered_compositions_are_hydras_own) compares the outcome with Hydra's own.
+composition); a step that fails is not kept. What differs: a warning Hydra gives while it builds
+the defaults list or merges comes the first time only (Python shows one once per place anyway).
+tests/config/test_config.py (test_remembered_compositions_are_hydras_own) compares the outcome
+with Hydra's own.
 """
 
 from __future__ import annotations
