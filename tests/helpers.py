@@ -7,7 +7,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -71,27 +73,36 @@ def run_nodes(cmds: List[List[str]], logs: List[Path], env: Optional[Dict[str, s
         return [p0.wait(timeout=timeout), p1.wait(timeout=timeout)]
 
 
-_WARM = None
+_WARM = None  # the warm parent of this process's environment as it was last asked for
+# One warm parent per environment this process has launched with, the last KEEP_WARM kept: a test
+# that sets a variable (monkeypatch) gets a parent with it and the next test, the variable gone
+# again, the one it had before (~4 CPU-s a parent started)
+_WARM_PARENTS: "OrderedDict[frozenset, object]" = OrderedDict()
+_WARM_LOCK = threading.Lock()  # test_hang.py launches from a pool of threads
+KEEP_WARM = 3
 
 
 def warm_server():
-    """This test process's warm parent (tests/warm_ranks.py), started on first use; None when
-    LLAMA_TRAIN_TEST_WARM=0 (every command exec'd for real)."""
+    """This test process's warm parent for its environment now (tests/warm_ranks.py), started on
+    first use; None when LLAMA_TRAIN_TEST_WARM=0 (every command exec'd for real)."""
     global _WARM
     if os.environ.get("LLAMA_TRAIN_TEST_WARM", "1") == "0":
         return None
     from warm_ranks import RUNTIME_VARS, WarmServer
 
     env = _env()
-    if _WARM is not None and any(_WARM.env.get(k) != env.get(k) for k in set(_WARM.env) | set(env)
-                                 if k not in RUNTIME_VARS):
-        # this process's environment moved since the parent started (an import here set a
-        # variable: lm_eval sets HF_XET_HIGH_PERFORMANCE): what a launch gets now, a parent now
-        _WARM.retire()
-        _WARM = None
-    if _WARM is None:
-        _WARM = WarmServer(env, str(REPO))
-    return _WARM
+    # a variable read on import differs (an import here set one: lm_eval sets
+    # HF_XET_HIGH_PERFORMANCE; a test set one): what a launch gets now, from a parent that has it
+    key = frozenset((k, v) for k, v in env.items() if k not in RUNTIME_VARS)
+    with _WARM_LOCK:
+        server = _WARM_PARENTS.pop(key, None)
+        if server is None or server.dead:
+            while len(_WARM_PARENTS) >= KEEP_WARM:
+                _WARM_PARENTS.popitem(last=False)[1].retire()
+            server = WarmServer(env, str(REPO))
+        _WARM_PARENTS[key] = server  # the most recently used last
+        _WARM = server
+    return server
 
 
 def warm_server_job_type():
@@ -105,14 +116,15 @@ def start(cmd: List[str], log: Path, env: Optional[Dict[str, str]] = None, warm:
     /dev/null. ``warm``: forked from the warm parent (tests/warm_ranks.py) where it can be,
     the same command exec'd otherwise. Returns a ``Popen`` or the warm parent's job."""
     full = _env(env)
-    if warm and warm_server() is not None:
+    server = warm_server() if warm else None
+    if server is not None:
         Path(log).write_text("")
-        job = _WARM.start([str(c) for c in cmd], full, str(REPO), str(log))
+        job = server.start([str(c) for c in cmd], full, str(REPO), str(log))
         if job is not None:
             return job
         # LLAMA_TRAIN_TEST_WARM=require: a test that asks to fork and cannot fails, saying why
         assert os.environ.get("LLAMA_TRAIN_TEST_WARM") != "require", \
-            f"not forked ({_WARM.why}): {' '.join(map(str, cmd))}"
+            f"not forked ({server.why}): {' '.join(map(str, cmd))}"
     with open(log, "w") as fh:
         return subprocess.Popen(cmd, cwd=REPO, env=full, stdin=subprocess.DEVNULL, stdout=fh,
                                 stderr=subprocess.STDOUT, start_new_session=True)

@@ -248,7 +248,7 @@ class Runner:
             end = next(iter_records(run_dir / "out" / METRICS_FILE)).time
         out = {"to_step1_s": end - t0, "to_exit_s": t_exit - t0, "cpu_s": cpu, "loadavg": load}
         if marks is not None:
-            out["phases"] = phases_of(marks, t0)
+            out["phases"] = phases_of(marks, t0, end)
         if not self.args.work_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
         return out
@@ -264,11 +264,14 @@ def _children_cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def phases_of(marks: Dict[str, Any], t0: float) -> List[List[Any]]:
-    """[[phase, seconds], ...] from the command start through rank 0's marks."""
+def phases_of(marks: Dict[str, Any], t0: float, end: float) -> List[List[Any]]:
+    """[[phase, seconds], ...] from the command start through rank 0's marks. The last phase ends
+    at `end`, the time the run's total counts to: the step-1 record's own time (its mark comes
+    after the record is written and the step line printed, 10-70 ms later on a loaded machine)."""
     out = [["launcher (command -> rank 0 process start)", marks["process_start"] - t0]]
     prev = marks["process_start"]
-    for label, t in marks["marks"]:
+    for i, (label, t) in enumerate(marks["marks"]):
+        t = end if i == len(marks["marks"]) - 1 else t
         out.append([label, t - prev])
         prev = t
     return out
