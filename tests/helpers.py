@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -73,36 +72,52 @@ def run_nodes(cmds: List[List[str]], logs: List[Path], env: Optional[Dict[str, s
         return [p0.wait(timeout=timeout), p1.wait(timeout=timeout)]
 
 
-_WARM = None  # the warm parent of this process's environment as it was last asked for
-# One warm parent per environment this process has launched with, the last KEEP_WARM kept: a test
-# that sets a variable (monkeypatch) gets a parent with it and the next test, the variable gone
-# again, the one it had before (~4 CPU-s a parent started)
-_WARM_PARENTS: "OrderedDict[frozenset, object]" = OrderedDict()
+_WARM = None  # the warm parent this process's environment was last launched from
+# The warm parents of the environments this process has launched with, the most recently used
+# last, KEEP_WARM kept: a test that sets a variable (monkeypatch) gets a parent with it, and the
+# next test, the variable gone again, the one it had before (~4 CPU-s a parent started)
+_WARM_PARENTS: List = []
 _WARM_LOCK = threading.Lock()  # test_hang.py launches from a pool of threads
 KEEP_WARM = 3
 
 
 def warm_server():
-    """This test process's warm parent for its environment now (tests/warm_ranks.py), started on
-    first use; None when LLAMA_TRAIN_TEST_WARM=0 (every command exec'd for real)."""
+    """The warm parent (tests/warm_ranks.py) that can fork this test process's launches now,
+    started when none can; None when LLAMA_TRAIN_TEST_WARM=0 (every command exec'd for real)."""
     global _WARM
     if os.environ.get("LLAMA_TRAIN_TEST_WARM", "1") == "0":
         return None
-    from warm_ranks import RUNTIME_VARS, WarmServer
+    from warm_ranks import WarmServer
 
     env = _env()
-    # a variable read on import differs (an import here set one: lm_eval sets
-    # HF_XET_HIGH_PERFORMANCE; a test set one): what a launch gets now, from a parent that has it
-    key = frozenset((k, v) for k, v in env.items() if k not in RUNTIME_VARS)
     with _WARM_LOCK:
-        server = _WARM_PARENTS.pop(key, None)
-        if server is None or server.dead:
-            while len(_WARM_PARENTS) >= KEEP_WARM:
-                _WARM_PARENTS.popitem(last=False)[1].retire()
+        _WARM_PARENTS[:] = [s for s in _WARM_PARENTS if not s.dead]
+        # none fits where a variable an import may read differs from what it started with (an
+        # import here set one, lm_eval sets HF_XET_HIGH_PERFORMANCE; or a test did)
+        server = next((s for s in reversed(_WARM_PARENTS) if s.fits(env)), None)
+        if server is None:
+            _log_warm_start(env)
             server = WarmServer(env, str(REPO))
-        _WARM_PARENTS[key] = server  # the most recently used last
+            if len(_WARM_PARENTS) >= KEEP_WARM:
+                _WARM_PARENTS.pop(0).retire()
+        else:
+            _WARM_PARENTS.remove(server)
+        _WARM_PARENTS.append(server)
         _WARM = server
     return server
+
+
+def _log_warm_start(env: Dict[str, str]) -> None:
+    """LLAMA_TRAIN_TEST_WARM_LOG=FILE: a line per warm parent started, with the test and why none
+    of those kept could fork its launch, to find what starts them (issue 56)."""
+    path = os.environ.get("LLAMA_TRAIN_TEST_WARM_LOG")
+    if path:
+        from warm_ranks import env_difference
+
+        why = [env_difference(s.env, s.import_env, env) for s in _WARM_PARENTS]
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', '')} "
+                    f"{os.environ.get('PYTEST_CURRENT_TEST', '')}: {why}\n")
 
 
 def warm_server_job_type():

@@ -186,7 +186,13 @@ def _forks_children(how: dict) -> bool:
 def warm_enough(env: Dict[str, str]) -> Optional[str]:
     """Why ``env`` cannot run in this interpreter (a variable an import may have read differs),
     or None."""
-    base, imported = _BASE["env"], _BASE["import_env"]
+    return env_difference(_BASE["env"], _BASE["import_env"], env)
+
+
+def env_difference(base: Dict[str, str], imported: Dict[str, str],
+                   env: Dict[str, str]) -> Optional[str]:
+    """Why ``env`` cannot run in a warm parent started with ``base`` whose imports set
+    ``imported``, or None."""
     for k in sorted(set(base) | set(env)):
         if base.get(k) == env.get(k) or k in RUNTIME_VARS:
             continue
@@ -608,7 +614,7 @@ def serve() -> None:
     def reply(msg: dict) -> None:
         os.write(out, (json.dumps(msg) + "\n").encode())
 
-    reply({"ready": threads == 1, "threads": threads})
+    reply({"ready": threads == 1, "threads": threads, "import_env": _BASE["import_env"]})
     buf, jobs, closed = b"", set(), False
     while not closed or jobs:  # stdin closed: no more requests; the jobs running still reported
         ready, _, _ = select.select([] if closed else [0], [], [], 0.02)
@@ -744,6 +750,7 @@ class WarmServer:
         self.dead, self.next_id = False, 0
         first = json.loads(self.proc.stdout.readline() or b'{"ready": false}')
         self.usable, self.why = first.get("ready", False), first
+        self.import_env: Dict[str, str] = first.get("import_env", {})
         threading.Thread(target=self._read, name="warm-ranks", daemon=True).start()
         atexit.register(self.close)
 
@@ -759,6 +766,11 @@ class WarmServer:
         with self.cond:
             self.dead = True
             self.cond.notify_all()
+
+    def fits(self, env: Dict[str, str]) -> bool:
+        """Whether commands with ``env`` can be forked from it (what :func:`warm_enough` says in
+        the parent)."""
+        return not self.dead and env_difference(self.env, self.import_env, env) is None
 
     def start(self, cmd: List[str], env: Dict[str, str], cwd: str, log: str) -> Optional[WarmJob]:
         """``cmd`` forked with ``env`` in ``cwd``, its output appended to ``log``; None where it

@@ -33,8 +33,12 @@ LAUNCH_TIMEOUT_S = 240  # normally 10-25 s; a first DeepSpeed CPU comm-op JIT bu
 
 @pytest.fixture
 def clean_nccl_env(monkeypatch):
-    for var in NCCL_VARS:
-        monkeypatch.delenv(var, raising=False)
+    """No NCCL variable set, and those the code under test sets gone again after it (a delenv of
+    an absent variable records nothing to undo: NCCL_ALGO stayed in this process's environment,
+    and the next launch needed a warm parent of its own, tests/helpers.py)."""
+    for var in (*NCCL_VARS, "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     return monkeypatch
 
 
