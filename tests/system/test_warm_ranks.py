@@ -143,8 +143,9 @@ def test_a_plain_python_m_command_is_forked_as_exec_would_run_it(tmp_path):
 
 def test_a_job_whose_environment_an_import_may_read_is_exec_d(tmp_path):
     """A variable an import may have read (not one of warm_ranks.RUNTIME_VARS) set otherwise
-    than in the warm parent: the command is exec'd for real, not forked."""
-    cmd = [sys.executable, "-m", PROBE]
+    than in the warm parent: the command is exec'd for real, not forked. (The probe --bare: only
+    what it was given is read here, not what its imports would add.)"""
+    cmd = [sys.executable, "-m", PROBE, "--bare"]
     out = tmp_path / "p"
     out.mkdir()
     env = {"LLAMA_TRAIN_PROBE_OUT": str(out), "OMP_NUM_THREADS": "2"}
