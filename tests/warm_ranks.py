@@ -80,11 +80,24 @@ from typing import Dict, List, Optional, Tuple
 # torch._dynamo: every rank imports it (torch.optim's AdamW asks it), 1-4 CPU-s a process.
 # Not HF datasets (a rank imports it only to prepare data): pyarrow starts jemalloc's background
 # thread, and a process with a second thread is not forked from (serve() checks).
+# From "deepspeed.module_inject.auto_ep_config" on: what the ranks of the tiny runs still
+# imported themselves, ~46 ms of CPU each (~70 under ZeRO): DeepSpeed's config reader and engine
+# their expert-parallel parts, its ZeRO optimizers Muon and SuperOffload, llama_train.data its
+# preparation (which finds the prepared data), the DataLoader its multiprocessing parts.
 PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "deepspeed", "deepspeed.launcher.runner", "deepspeed.launcher.launch",
            "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3", "hydra", "omegaconf",
            "sentencepiece", "psutil", "llama_train.train", "llama_train.job.trainer",
            "llama_train.engine", "llama_train.data", "llama_train.hf",
-           "llama_train.inference.generate")
+           "llama_train.inference.generate",
+           "deepspeed.module_inject.auto_ep_config", "deepspeed.module_inject.auto_ep_layer",
+           "llama_train.data.prepare",
+           "llama_train.comm.simulate", "llama_train.engine.float8", "llama_train.job.runlock",
+           "multiprocessing.popen_fork", "multiprocessing.synchronize",
+           "torch.utils.serialization", "encodings.idna",
+           "deepspeed.runtime.zero.muon.muon_optimizer",
+           "deepspeed.runtime.superoffload.superoffload_stage3", "deepspeed.comm.mori",
+           "torch._dynamo.repro.after_dynamo", "torch._inductor.compiler_bisector",
+           "torch._subclasses.schema_check_mode", "torch.profiler._cupti_monitor")
 
 # Variables a job may set differently from the parent and still be forked: read by the launcher
 # and by llama_train at run time, never by an import. Any other difference: exec'd for real.
@@ -318,13 +331,18 @@ def _log_levels() -> Dict[str, tuple]:
 
 
 def _restore_log_levels(levels: Dict[str, tuple]) -> None:
+    """Each logger's level and its handlers' levels back to ``levels``. Only those that differ
+    are set: ``Logger.setLevel`` clears the level cache of every logger (~320 here), so setting
+    them all took ~10 ms of CPU in each forked process."""
     import logging
 
     for name, (level, handlers) in levels.items():
         lg = logging.getLogger(name if name != "root" else None)
-        lg.setLevel(level)
+        if lg.level != level:
+            lg.setLevel(level)
         for h, hl in zip(lg.handlers, handlers):
-            h.setLevel(hl)
+            if h.level != hl:
+                h.setLevel(hl)
 
 
 def _fresh_signals() -> None:
