@@ -1,5 +1,6 @@
 """Hydra's composition remembered within a test process (conftest.py installs it in each process
-that runs tests; LLAMA_TRAIN_TEST_HYDRA_MEMO=0 leaves Hydra as it is).
+that runs tests, tests/warm_ranks.py in the warm parent the launched ranks are forked from;
+LLAMA_TRAIN_TEST_HYDRA_MEMO=0 leaves Hydra as it is in both).
 
 The in-process tier composes llama-train's config ~650 times (the tests' overrides; main() run
 in this process): ~85 ms of CPU each, most of it building the defaults list and merging the

@@ -43,6 +43,9 @@ What cannot be the same, and why it does not matter to the tests that use it:
 * the parent's command line is padded (``--pad``) so that a forked process can write its own
   command line over it (as ``setproctitle`` does); ``/proc/<pid>/cmdline`` then ends in empty
   arguments;
+* Hydra's composition is remembered, as in the test processes (tests/hydra_memo.py, filled
+  with the tiny settings' before the first fork: :func:`_remember_compositions`): the same
+  config, composed in a fifth of the CPU;
 * a job with an inductor cache of its own (a compiling one) finds what inductor learns once per
   process already learnt by the parent (:func:`_warm_inductor`): the same answers, not found
   again in each rank.
@@ -77,11 +80,24 @@ from typing import Dict, List, Optional, Tuple
 # torch._dynamo: every rank imports it (torch.optim's AdamW asks it), 1-4 CPU-s a process.
 # Not HF datasets (a rank imports it only to prepare data): pyarrow starts jemalloc's background
 # thread, and a process with a second thread is not forked from (serve() checks).
+# From "deepspeed.module_inject.auto_ep_config" on: what the ranks of the tiny runs still
+# imported themselves, ~46 ms of CPU each (~70 under ZeRO): DeepSpeed's config reader and engine
+# their expert-parallel parts, its ZeRO optimizers Muon and SuperOffload, llama_train.data its
+# preparation (which finds the prepared data), the DataLoader its multiprocessing parts.
 PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "deepspeed", "deepspeed.launcher.runner", "deepspeed.launcher.launch",
            "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3", "hydra", "omegaconf",
            "sentencepiece", "psutil", "llama_train.train", "llama_train.job.trainer",
            "llama_train.engine", "llama_train.data", "llama_train.hf",
-           "llama_train.inference.generate")
+           "llama_train.inference.generate",
+           "deepspeed.module_inject.auto_ep_config", "deepspeed.module_inject.auto_ep_layer",
+           "llama_train.data.prepare",
+           "llama_train.comm.simulate", "llama_train.engine.float8", "llama_train.job.runlock",
+           "multiprocessing.popen_fork", "multiprocessing.synchronize",
+           "torch.utils.serialization", "encodings.idna",
+           "deepspeed.runtime.zero.muon.muon_optimizer",
+           "deepspeed.runtime.superoffload.superoffload_stage3", "deepspeed.comm.mori",
+           "torch._dynamo.repro.after_dynamo", "torch._inductor.compiler_bisector",
+           "torch._subclasses.schema_check_mode", "torch.profiler._cupti_monitor")
 
 # Variables a job may set differently from the parent and still be forked: read by the launcher
 # and by llama_train at run time, never by an import. Any other difference: exec'd for real.
@@ -321,13 +337,18 @@ def _log_levels() -> Dict[str, tuple]:
 
 
 def _restore_log_levels(levels: Dict[str, tuple]) -> None:
+    """Each logger's level and its handlers' levels back to ``levels``. Only those that differ
+    are set: ``Logger.setLevel`` clears the level cache of every logger (~320 here), so setting
+    them all took ~10 ms of CPU in each forked process."""
     import logging
 
     for name, (level, handlers) in levels.items():
         lg = logging.getLogger(name if name != "root" else None)
-        lg.setLevel(level)
+        if lg.level != level:
+            lg.setLevel(level)
         for h, hl in zip(lg.handlers, handlers):
-            h.setLevel(hl)
+            if h.level != hl:
+                h.setLevel(hl)
 
 
 def _fresh_signals() -> None:
@@ -604,6 +625,7 @@ def serve() -> None:
     with _recording_exit_handlers():
         for name in PRELOAD:
             importlib.import_module(name)
+        _remember_compositions(here)
     _record_base(here)
     threads = _threads()  # a fork copies one thread: any other's locks could stay held
     # what the imports made, out of the collector's sight: a child's collections would walk
@@ -649,6 +671,61 @@ def serve() -> None:
             pid = _start(req, how)
             jobs.add(pid)
             reply({"id": req["id"], "pid": pid})
+
+
+def _remember_compositions(here: str) -> None:
+    """Hydra's composition remembered (tests/hydra_memo.py, as in the test processes), filled
+    here with the tiny settings' (``model=tiny``; in both run modes: ``hydra.main`` composes
+    twice, once in Hydra's ``get_mode``, once to run) for every command forked after: a rank of
+    the tiny model then spends ~35 ms of CPU on its two compositions instead of ~170 (the
+    defaults list and the merged files, found afresh in each process). The overrides' values
+    are applied and checked in the command as before; other groups, another config directory or
+    edited files miss and compose as without it. Left out (Hydra as it is) under
+    LLAMA_TRAIN_TEST_HYDRA_MEMO=0, and if composing here warned: a warning a command's
+    composition gives must reach its own log."""
+    import warnings
+
+    if _BASE["env"].get("LLAMA_TRAIN_TEST_HYDRA_MEMO", "1") == "0":
+        return
+    sys.path.insert(0, here)
+    try:
+        import hydra_memo
+    finally:
+        sys.path.remove(here)
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_automatic_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from llama_train.bench.startup import TINY
+    from llama_train.paths import CONFIG_DIR
+
+    hydra_memo.install()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            # the search path llama_train.train's hydra.main builds (config_path: the package's)
+            search = create_automatic_config_search_path(None, "llama_train.train",
+                                                         str(CONFIG_DIR))
+            hydra = Hydra.create_main_hydra2(task_name="train", config_search_path=search)
+            try:
+                for mode in (RunMode.MULTIRUN, RunMode.RUN):  # hydra's get_mode, then run
+                    hydra.compose_config("config", list(TINY), run_mode=mode,
+                                         with_log_configuration=False,
+                                         validate_sweep_overrides=False)
+            finally:
+                GlobalHydra.instance().clear()
+        ok = not caught
+    except Exception:  # noqa: BLE001 - an optimisation only
+        traceback.print_exc()
+        ok = False
+    if not ok:
+        for owner, name, was in reversed(hydra_memo.REPLACED):
+            if was is hydra_memo._ABSENT:  # noqa: SLF001
+                delattr(owner, name)
+            else:
+                setattr(owner, name, was)
+        hydra_memo.REPLACED.clear()
 
 
 def _compiles(env: Dict[str, str]) -> bool:
