@@ -136,6 +136,16 @@ def install() -> None:
     _replace(sources.resolve("structured"), "__deepcopy__", lambda self, memo: copy.copy(self))
 
 
+def uninstall() -> None:
+    """Hydra as it is without this module, for good (tests/warm_ranks.py: composing there warned)."""
+    for owner, name, was in reversed(REPLACED):
+        if was is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, was)
+    REPLACED.clear()
+
+
 def undone(monkeypatch) -> None:
     """Hydra as it is without this module, until ``monkeypatch`` undoes it."""
     for owner, name, was in REPLACED:

@@ -2,8 +2,9 @@
 
 A tiny two-rank launch spends ~8 CPU-s starting four interpreters (DeepSpeed's runner, its
 launcher and two ranks, each importing torch, DeepSpeed, Hydra and llama_train) for ~1 s of
-training; the suite launches ~70 jobs. Here one parent process per test worker imports all of
-that once, and each command is *forked* from it instead of exec'd: a separate process that runs
+training; the suite launches ~70 jobs. Here one parent process per test worker (and per
+environment it launches with: tests/helpers.py keeps the last 3) imports all of that once, and
+each command is *forked* from it instead of exec'd: a separate process that runs
 the command's module as ``python -u -m MOD ARGS`` would, with the environment, arguments, working
 directory, ``sys.path`` and ``/proc/<pid>/cmdline`` it would have had.
 
@@ -720,12 +721,7 @@ def _remember_compositions(here: str) -> None:
         traceback.print_exc()
         ok = False
     if not ok:
-        for owner, name, was in reversed(hydra_memo.REPLACED):
-            if was is hydra_memo._ABSENT:  # noqa: SLF001
-                delattr(owner, name)
-            else:
-                setattr(owner, name, was)
-        hydra_memo.REPLACED.clear()
+        hydra_memo.uninstall()
 
 
 def _compiles(env: Dict[str, str]) -> bool:
