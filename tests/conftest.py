@@ -33,6 +33,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
+# What scikit-learn's import sets in a test process (lm_eval and the scaling fits import it; read
+# by Intel's OpenMP, which torch here does not use), set from the start: a launch after that
+# import differed from the warm parents in it and started another (3 in a run, ~4 CPU-s each).
+os.environ.setdefault("KMP_DUPLICATE_LIB_OK", "True")
 os.environ.pop("WANDB_API_KEY", None)
 
 _SESSION_CACHE = None
