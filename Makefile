@@ -35,9 +35,11 @@ train: $(STAMP)
 # Three pytest-xdist workers on 2 cores (a third keeps the CPU busy while a job waits on a
 # timeout or the launcher's 1 s poll), each taking whole test files (module fixtures run once;
 # the two files sharing the zero3_run fixture as one unit, tests/conftest.py), torch on one
-# thread in each: 12:47 of tests in a fresh clone on 2 idle cores, 13:50 with the set-up
-# (1197.6 + 246.3 CPU-s, 2026-11-28; launches whose subject is not the launcher fork from a
-# warm parent: tests/warm_ranks.py); before that 12:19 and 13:14 on a faster machine; on a
+# thread in each: 9:57 of tests in a fresh clone on 2 idle cores, 10:38 with the set-up
+# (902.2 + 217.3 CPU-s, 18.7 CPU-min, 2026-11-29; launches whose subject is not the launcher
+# fork from a warm parent: tests/warm_ranks.py). The commit before took 20.0 and 26.0 CPU-min
+# in two fresh clones 25 minutes apart: this machine's speed moves. Before that 12:47 and 13:50;
+# on a
 # slower 2-core machine (AMD EPYC at 2.45 GHz, `import torch` 2.3-2.6 s) 25:18-37:24 and 28:02-40:29
 # (27:09 and 29:33 at the last measurement; its speed varies by ~30% from hour to hour).
 # PYTEST_WORKERS=0 runs them in this process (for pdb, -x).

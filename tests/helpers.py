@@ -40,6 +40,9 @@ def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     env.pop("LOCAL_RANK", None)
+    # wandb's service address, which wandb sets in a test process that ran it in-process (for its
+    # child processes to share that service): a launched job starts its own, as from a shell
+    env.pop("WANDB_SERVICE", None)
     if extra:
         env.update(extra)
     return env
