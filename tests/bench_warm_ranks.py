@@ -32,8 +32,8 @@ def one(mode: str, launches: int) -> dict:
     t = time.monotonic()
     for i in range(launches):
         helpers.train(root / f"r{i}", ["trainer.compile=false"], launcher=(mode == "exec"))
-    if helpers._WARM is not None:  # its jobs' CPU reaches us once it has exited
-        helpers._WARM.close()
+    for parent in helpers._WARM_PARENTS:  # its jobs' CPU reaches us once it has exited
+        parent.close()
     wall = time.monotonic() - t
     shutil.rmtree(root, ignore_errors=True)
     own, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))

@@ -136,20 +136,20 @@ def install() -> None:
     _replace(sources.resolve("structured"), "__deepcopy__", lambda self, memo: copy.copy(self))
 
 
-def uninstall() -> None:
-    """Hydra as it is without this module, for good (tests/warm_ranks.py: composing there warned)."""
+def _put_back(set_attr, del_attr) -> None:
     for owner, name, was in reversed(REPLACED):
         if was is _ABSENT:
-            delattr(owner, name)
+            del_attr(owner, name)
         else:
-            setattr(owner, name, was)
+            set_attr(owner, name, was)
+
+
+def uninstall() -> None:
+    """Hydra as it is without this module, for good (tests/warm_ranks.py: composing there warned)."""
+    _put_back(setattr, delattr)
     REPLACED.clear()
 
 
 def undone(monkeypatch) -> None:
     """Hydra as it is without this module, until ``monkeypatch`` undoes it."""
-    for owner, name, was in REPLACED:
-        if was is _ABSENT:
-            monkeypatch.delattr(owner, name)
-        else:
-            monkeypatch.setattr(owner, name, was)
+    _put_back(monkeypatch.setattr, monkeypatch.delattr)
